@@ -1,0 +1,165 @@
+"""RPC benchmark: small-call rates and bulk throughput, beside a plain-socket pump in the same run.
+
+    .venv/bin/python benchmarks/rpc_bench.py [--seconds 2]
+
+The server runs in its own process (as it would in a cluster) so client and server each get a core.
+Figures:
+  * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection);
+  * bulk GB/s for 1, 4 and 16 MiB data sections, client -> server (write-like) and server -> client
+    (read-like, received with recv_into straight into a reused buffer), 4 in flight;
+  * the same sizes through a plain socket pump (sendall / recv_into a reused buffer, 1-byte ack) as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import time
+
+import msgspec
+import trio
+
+from kvfs.rpc import RpcClient, RpcServer
+from kvfs.wire import Limits, Method
+
+TOKEN = "bench"
+SIZES = [1 << 20, 4 << 20, 16 << 20]
+
+
+class Req(msgspec.Struct, array_like=True):
+    want: int = 0
+
+
+class Resp(msgspec.Struct, array_like=True):
+    got: int = 0
+
+
+PING = Method(9901, "bench.ping", Req, Resp, idempotent=True)
+PUT = Method(9902, "bench.put", Req, Resp)
+GET = Method(9903, "bench.get", Req, Resp, idempotent=True)
+LIMITS = Limits(max_data=64 << 20)
+
+
+def rpc_server(port_queue: mp.Queue) -> None:
+    blob = memoryview(bytes(max(SIZES)))
+
+    async def ping(req, data, ctx):
+        return Resp(0)
+
+    async def put(req, data, ctx):
+        return Resp(len(data))
+
+    async def get(req, data, ctx):
+        return Resp(req.want), blob[: req.want]
+
+    async def main():
+        server = RpcServer(TOKEN, limits=LIMITS)
+        for method, fn in ((PING, ping), (PUT, put), (GET, get)):
+            server.register(method, fn)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            port_queue.put(port)
+
+    trio.run(main)
+
+
+def plain_server(port_queue: mp.Queue) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    buf = memoryview(bytearray(max(SIZES)))
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            header = bytearray(8)
+            while conn.recv_into(header, 8) == 8:
+                size = int.from_bytes(header, "little")
+                got = 0
+                while got < size:
+                    got += conn.recv_into(buf[got:size])
+                conn.sendall(b"k")
+
+
+def plain_pump(port: int, size: int, seconds: float) -> float:
+    payload = memoryview(bytes(size))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        moved, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            sock.sendall(size.to_bytes(8, "little"))
+            sock.sendall(payload)
+            sock.recv(1)
+            moved += size
+        return moved / (time.perf_counter() - start)
+
+
+async def rate(seconds: float, in_flight: int, call) -> float:
+    count = 0
+    deadline = trio.current_time() + seconds
+
+    async def worker():
+        nonlocal count
+        while trio.current_time() < deadline:
+            await call()
+            count += 1
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(in_flight):
+            nursery.start_soon(worker)
+    return count / (time.perf_counter() - start)
+
+
+async def rpc_figures(address: str, seconds: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with RpcClient(TOKEN, limits=LIMITS) as client:
+        await client.call(address, PING, Req())
+        out["ping-pong calls/s"] = await rate(seconds, 1, lambda: client.call(address, PING, Req()))
+        out["pipelined x64 calls/s"] = await rate(seconds, 64, lambda: client.call(address, PING, Req()))
+        for size in SIZES:
+            payload = memoryview(bytes(size))
+            put_rate = await rate(seconds, 4, lambda: client.call(address, PUT, Req(), data=payload))
+            out[f"put {size >> 20} MiB GB/s"] = put_rate * size / 1e9
+            buffers = [memoryview(bytearray(size)) for _ in range(4)]
+
+            async def get(buffers=buffers, size=size):
+                buf = buffers.pop()
+                try:
+                    await client.call_with_data(address, GET, Req(size), into=buf)
+                finally:
+                    buffers.append(buf)
+
+            out[f"get {size >> 20} MiB GB/s"] = await rate(seconds, 4, get) * size / 1e9
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per figure")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    servers = [ctx.Process(target=rpc_server, args=(queue,), daemon=True)]
+    servers[0].start()
+    rpc_port = queue.get(timeout=30)
+    servers.append(ctx.Process(target=plain_server, args=(queue,), daemon=True))
+    servers[1].start()
+    plain_port = queue.get(timeout=30)
+    try:
+        figures = trio.run(rpc_figures, f"127.0.0.1:{rpc_port}", args.seconds)
+        plain = {size: plain_pump(plain_port, size, args.seconds) / 1e9 for size in SIZES}
+    finally:
+        for proc in servers:
+            proc.terminate()
+    print(f"{'figure':<28}{'kvfs rpc':>12}{'plain socket':>14}{'ratio':>8}")
+    for name, value in figures.items():
+        size_mib = name.split()[1] if name.startswith(("put", "get")) else None
+        if size_mib is None:
+            print(f"{name:<28}{value:>12,.0f}")
+        else:
+            base = plain[int(size_mib) << 20]
+            print(f"{name:<28}{value:>12.2f}{base:>14.2f}{value / base:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

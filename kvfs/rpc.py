@@ -1,0 +1,608 @@
+"""Multiplexed RPC over TCP on trio.
+
+One connection carries many concurrent calls, matched by request id. Each side runs one reader task and one
+writer task per connection: the writer drains every queued frame into a single ``sendmsg`` (small calls in
+flight only pay off when frames are batched), and the reader parses frames out of a reused buffer and hands
+each data section straight to the buffer its caller supplied (``recv_into``), so bulk bytes are copied once,
+from the kernel into their destination.
+
+Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
+connection with a logged reason; every other connection keeps being served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import socket as _socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import msgspec
+import trio
+
+from kvfs import wire
+from kvfs.errors import (
+    AuthError,
+    ConnectionLost,
+    KvfsError,
+    ProtocolError,
+    RpcTimeout,
+    ServiceUnavailable,
+    from_wire,
+)
+from kvfs.wire import FrameType, Limits, Method, Signer
+
+log = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+#: What a handler may send back: a body, or a body and its data section (one buffer or several, sent
+#: back to back without joining them).
+HandlerResult: TypeAlias = msgspec.Struct | tuple[msgspec.Struct, Buffer | Sequence[Buffer]]
+Handler: TypeAlias = Callable[[Any, memoryview | None, "CallContext"], Awaitable[HandlerResult]]
+
+_IOV_MAX = 512
+_READ_BUFFER = 256 * 1024
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` too) into its parts."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+class _EndOfStream(Exception):
+    pass
+
+
+class FrameReader:
+    """Buffered reads from a socket that can hand large payloads directly to a caller's buffer."""
+
+    def __init__(self, sock: trio.socket.SocketType, size: int = _READ_BUFFER) -> None:
+        self._sock = sock
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    async def _fill(self, need: int) -> None:
+        if self._start + need > len(self._buf):
+            pending = self._end - self._start
+            self._view[:pending] = self._view[self._start : self._end]
+            self._start, self._end = 0, pending
+        while self._end - self._start < need:
+            n = await self._sock.recv_into(self._view[self._end :])
+            if n == 0:
+                if self._end == self._start:
+                    raise _EndOfStream
+                raise ProtocolError(f"connection closed inside a frame ({self._end - self._start} of {need} bytes)")
+            self._end += n
+
+    async def read(self, n: int) -> memoryview | bytes:
+        """Return the next ``n`` bytes; a view into the shared buffer, valid until the next read."""
+        if n > len(self._buf):
+            out = bytearray(n)
+            await self.read_into(memoryview(out))
+            return bytes(out)
+        await self._fill(n)
+        view = self._view[self._start : self._start + n]
+        self._start += n
+        return view
+
+    async def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` exactly: first from what is buffered, then straight from the socket."""
+        buffered = min(self._end - self._start, len(dst))
+        dst[:buffered] = self._view[self._start : self._start + buffered]
+        self._start += buffered
+        pos = buffered
+        while pos < len(dst):
+            n = await self._sock.recv_into(dst[pos:])
+            if n == 0:
+                raise ProtocolError(f"connection closed inside a data section ({pos} of {len(dst)} bytes)")
+            pos += n
+
+    async def discard(self, n: int) -> None:
+        while n:
+            await self._fill(1)
+            step = min(n, self._end - self._start)
+            self._start += step
+            n -= step
+
+
+async def _send_buffers(sock: trio.socket.SocketType, buffers: list[memoryview]) -> None:
+    """Send every buffer in order with as few syscalls as the kernel allows."""
+    while buffers:
+        sent = await sock.sendmsg(buffers[:_IOV_MAX])
+        done = 0
+        while sent and done < len(buffers):
+            head = buffers[done]
+            if sent >= len(head):
+                sent -= len(head)
+                done += 1
+            else:
+                buffers[done] = head[sent:]
+                sent = 0
+        del buffers[:done]
+
+
+class _Writer:
+    """The one task that writes to a connection, so concurrent callers' frames batch into one send."""
+
+    def __init__(self, sock: trio.socket.SocketType, depth: int = 1024) -> None:
+        self._sock = sock
+        self._send, self._receive = trio.open_memory_channel[list[Buffer]](depth)
+
+    async def put(self, buffers: list[Buffer]) -> None:
+        try:
+            await self._send.send(buffers)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ConnectionLost("connection closed before the frame was sent") from None
+
+    async def run(self) -> None:
+        async with self._receive:
+            async for first in self._receive:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                views = [memoryview(b).cast("B") for frame in batch for b in frame if len(b)]
+                await _send_buffers(self._sock, views)
+
+    def close(self) -> None:
+        self._send.close()
+
+
+def _data_buffers(data: Buffer | Sequence[Buffer] | None) -> tuple[list[Buffer], int]:
+    if data is None:
+        return [], 0
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [data], memoryview(data).nbytes
+    parts = list(data)
+    return parts, sum(memoryview(p).nbytes for p in parts)
+
+
+async def _connect(address: str, timeout: float) -> trio.socket.SocketType:
+    host, port = parse_address(address)
+    with trio.move_on_after(timeout) as scope:
+        stream = await trio.open_tcp_stream(host, port)
+    if scope.cancelled_caught:
+        raise ServiceUnavailable(f"connecting to {address} timed out after {timeout:g}s")
+    sock = stream.socket
+    sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+    return sock
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+@dataclass(slots=True)
+class _Pending:
+    method: Method
+    into: memoryview | None
+    done: trio.Event = field(default_factory=trio.Event)
+    response: Any = None
+    data: memoryview | None = None
+    error: BaseException | None = None
+
+
+class Connection:
+    """A client's multiplexed connection to one server."""
+
+    def __init__(self, sock: trio.socket.SocketType, address: str, signer: Signer, limits: Limits) -> None:
+        self.address = address
+        self._sock = sock
+        self._signer = signer
+        self._limits = limits
+        self._writer = _Writer(sock)
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._closed: BaseException | None = None
+        self._cancel = trio.CancelScope()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the reader and writer until the connection breaks or :meth:`close` is called."""
+        try:
+            with self._cancel:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._run_writer)
+                    task_status.started()
+                    await self._run_reader()
+        finally:
+            self._fail_pending(ConnectionLost(f"connection to {self.address} closed"))
+            self._writer.close()
+            self._sock.close()
+
+    async def _run_reader(self) -> None:
+        try:
+            await self._read_loop()
+        except _EndOfStream:
+            self._fail_pending(ConnectionLost(f"{self.address} closed the connection"))
+        except KvfsError as exc:
+            self._fail_pending(exc)
+        except (OSError, trio.ClosedResourceError) as exc:
+            self._fail_pending(ConnectionLost(f"{self.address}: {exc}"))
+
+    async def _run_writer(self) -> None:
+        try:
+            await self._writer.run()
+        except OSError as exc:
+            self._fail_pending(ConnectionLost(f"sending to {self.address} failed: {exc}"))
+
+    def _fail_pending(self, reason: BaseException) -> None:
+        """Mark the connection dead and wake every caller still waiting on it."""
+        if self._closed is None:
+            self._closed = reason
+        self._cancel.cancel()
+        for pending in self._pending.values():
+            pending.error = self._closed
+            pending.done.set()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self._fail_pending(ConnectionLost(f"connection to {self.address} closed by this side"))
+
+    async def _read_loop(self) -> None:
+        reader = FrameReader(self._sock)
+        while True:
+            raw = bytes(await reader.read(wire.HEADER_SIZE))
+            header = wire.decode_header(raw, self._limits)
+            body = await reader.read(header.body_len)
+            wire.check_tag(self._signer, raw, header, body)
+            pending = self._pending.pop(header.request_id, None)
+            if header.flags & wire.Flags.AUTH_REFUSED:
+                err = wire.decode_error(body)
+                raise AuthError(f"{self.address} refused us: {err.message}")
+            if pending is None:  # the caller gave up (deadline); drop the late answer
+                await reader.discard(header.data_len)
+                continue
+            try:
+                if header.type is FrameType.ERROR:
+                    err = wire.decode_error(body)
+                    pending.error = from_wire(err.errno, err.message)
+                elif header.type is FrameType.RESPONSE:
+                    pending.response = wire.decode_body(pending.method.response, body)
+                else:
+                    raise ProtocolError(f"server sent a {header.type.name} frame")
+            except ProtocolError as exc:
+                pending.error = exc
+                pending.done.set()
+                raise
+            if header.data_len:
+                target = pending.into
+                if target is None or len(target) < header.data_len:
+                    target = memoryview(bytearray(header.data_len))
+                else:
+                    target = target[: header.data_len]
+                await reader.read_into(target)
+                pending.data = target
+            pending.done.set()
+
+    async def call(
+        self,
+        method: Method,
+        request: msgspec.Struct,
+        *,
+        data: Buffer | Sequence[Buffer] | None = None,
+        into: memoryview | None = None,
+    ) -> tuple[Any, memoryview | None]:
+        """Send one request and wait for its answer; the deadline is the caller's cancel scope."""
+        if self._closed is not None:
+            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
+        request_id = next(self._ids)
+        body = wire.encode_body(request)
+        buffers, data_len = _data_buffers(data)
+        if data_len > self._limits.max_data:
+            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
+        frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len)
+        pending = _Pending(method, into)
+        self._pending[request_id] = pending
+        try:
+            await self._writer.put([frame, *buffers])
+            await pending.done.wait()
+        finally:
+            self._pending.pop(request_id, None)
+        if pending.error is not None:
+            raise pending.error
+        return pending.response, pending.data
+
+
+class RpcClient:
+    """Connections to any number of servers, one multiplexed connection per address, in one nursery.
+
+    Use as ``async with RpcClient(token) as client:``; every connection's tasks live and die inside it.
+    Calls to methods marked idempotent are retried (with backoff, on a fresh connection) when the
+    connection breaks or the deadline passes; others fail with the error so the caller can decide.
+    """
+
+    def __init__(
+        self,
+        token: bytes | str,
+        *,
+        limits: Limits = Limits(),
+        connect_timeout: float = 5.0,
+        call_timeout: float = 30.0,
+        retries: int = 3,
+    ) -> None:
+        self._signer = Signer(token)
+        self._limits = limits
+        self._connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self._retries = retries
+        self._connections: dict[str, Connection] = {}
+        self._connecting: dict[str, trio.Lock] = {}
+        self._nursery: trio.Nursery | None = None
+        self._exit_stack: Any = None
+
+    async def __aenter__(self) -> RpcClient:
+        self._exit_stack = trio.open_nursery()
+        self._nursery = await self._exit_stack.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self.close()
+        assert self._exit_stack is not None
+        return await self._exit_stack.__aexit__(*exc_info)
+
+    def close(self) -> None:
+        for conn in list(self._connections.values()):
+            conn.close()
+        self._connections.clear()
+
+    async def connection(self, address: str) -> Connection:
+        conn = self._connections.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        if self._nursery is None:
+            raise RuntimeError("RpcClient is used outside its 'async with' block")
+        lock = self._connecting.setdefault(address, trio.Lock())
+        async with lock:
+            conn = self._connections.get(address)
+            if conn is None or conn.closed:
+                try:
+                    sock = await _connect(address, self._connect_timeout)
+                except OSError as exc:
+                    raise ServiceUnavailable(f"cannot connect to {address}: {exc.strerror or exc}") from None
+                conn = Connection(sock, address, self._signer, self._limits)
+                await self._nursery.start(conn.run)
+                self._connections[address] = conn
+        return conn
+
+    async def call(
+        self,
+        address: str,
+        method: Method,
+        request: msgspec.Struct,
+        *,
+        data: Buffer | Sequence[Buffer] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """Call ``method`` at ``address`` and return its response body."""
+        response, _ = await self.call_with_data(address, method, request, data=data, timeout=timeout)
+        return response
+
+    async def call_with_data(
+        self,
+        address: str,
+        method: Method,
+        request: msgspec.Struct,
+        *,
+        data: Buffer | Sequence[Buffer] | None = None,
+        into: memoryview | None = None,
+        timeout: float | None = None,
+    ) -> tuple[Any, memoryview | None]:
+        """Call ``method``; the response's data section lands in ``into`` when it is large enough."""
+        attempts = 1 + (self._retries if method.idempotent else 0)
+        deadline = self.call_timeout if timeout is None else timeout
+        for attempt in range(attempts):
+            try:
+                with trio.fail_after(deadline):
+                    conn = await self.connection(address)
+                    return await conn.call(method, request, data=data, into=into)
+            except trio.TooSlowError:
+                error: KvfsError = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
+            except (ConnectionLost, ServiceUnavailable) as exc:
+                error = exc
+            if attempt + 1 < attempts:
+                await trio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise error
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a handler knows about the call besides its body."""
+
+    peer: str
+    method: Method
+
+
+class RpcServer:
+    """Serves registered handlers on one TCP port; every connection runs in the server's nursery."""
+
+    def __init__(
+        self,
+        token: bytes | str,
+        *,
+        limits: Limits = Limits(),
+        max_in_flight: int = 1024,
+        name: str = "rpc",
+    ) -> None:
+        self._signer = Signer(token)
+        self._limits = limits
+        self._max_in_flight = max_in_flight
+        self._handlers: dict[int, tuple[Method, Handler]] = {}
+        self.log = logging.getLogger(f"kvfs.{name}")
+        self.port: int | None = None
+        self.connections_refused = 0
+
+    def register(self, method: Method, handler: Handler) -> None:
+        if method.id in self._handlers:
+            raise ValueError(f"{method.name} already has a handler")
+        self._handlers[method.id] = (method, handler)
+
+    async def serve(
+        self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen and serve until cancelled; ``nursery.start`` returns the bound port."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener)
+            task_status.started(self.port)
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                    self.log.warning("accept failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                nursery.start_soon(self._serve_connection, stream.socket)
+
+    async def _serve_connection(self, sock: trio.socket.SocketType) -> None:
+        try:
+            peer = "%s:%s" % sock.getpeername()[:2]
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()
+            return
+        writer = _Writer(sock)
+        limiter = trio.CapacityLimiter(self._max_in_flight)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run_writer, writer, peer, nursery.cancel_scope)
+                try:
+                    await self._read_requests(sock, peer, writer, limiter, nursery)
+                except _EndOfStream:
+                    pass
+                except AuthError as exc:
+                    self.connections_refused += 1
+                    self.log.warning("refusing %s: %s", peer, exc)
+                    await self._refuse(writer, exc)
+                except ProtocolError as exc:
+                    self.log.warning("closing connection from %s: %s", peer, exc.message)
+                except OSError as exc:
+                    self.log.info("connection from %s broke: %s", peer, exc)
+                nursery.cancel_scope.cancel()
+        finally:
+            writer.close()
+            sock.close()
+
+    async def _run_writer(self, writer: _Writer, peer: str, scope: trio.CancelScope) -> None:
+        try:
+            await writer.run()
+        except OSError as exc:
+            self.log.info("sending to %s failed: %s", peer, exc)
+            scope.cancel()
+
+    async def _refuse(self, writer: _Writer, exc: AuthError) -> None:
+        """Tell an unauthenticated peer why it is refused, in the one frame it can read without the token."""
+        body = wire.encode_body(wire.ErrorBody(exc.errno, exc.message))
+        frame = wire.encode_frame(None, FrameType.ERROR, 0, 0, body, flags=wire.Flags.AUTH_REFUSED)
+        with trio.move_on_after(1), contextlib.suppress(ConnectionLost):
+            await writer.put([frame])
+            writer.close()
+            await trio.sleep(0.05)  # let the writer flush before the socket closes
+
+    async def _read_requests(
+        self,
+        sock: trio.socket.SocketType,
+        peer: str,
+        writer: _Writer,
+        limiter: trio.CapacityLimiter,
+        nursery: trio.Nursery,
+    ) -> None:
+        reader = FrameReader(sock)
+        while True:
+            raw = bytes(await reader.read(wire.HEADER_SIZE))
+            header = wire.decode_header(raw, self._limits)
+            body = await reader.read(header.body_len)
+            wire.check_tag(self._signer, raw, header, body)
+            if header.type is not FrameType.REQUEST:
+                raise ProtocolError(f"client sent a {header.type.name} frame")
+            entry = self._handlers.get(header.method)
+            request: Any = None
+            failure: KvfsError | None = None
+            if entry is None:
+                failure = KvfsError(f"unknown method id {header.method}", errno.ENOSYS)
+            else:
+                try:  # decode before the data section arrives: the body is a view into the read buffer
+                    request = wire.decode_body(entry[0].request, body)
+                except ProtocolError as exc:
+                    failure = exc
+            data = None
+            if header.data_len:
+                data = memoryview(bytearray(header.data_len))
+                await reader.read_into(data)
+            await limiter.acquire_on_behalf_of(header.request_id)
+            nursery.start_soon(self._dispatch, writer, peer, header.request_id, entry, request, data, failure, limiter)
+
+    async def _dispatch(
+        self,
+        writer: _Writer,
+        peer: str,
+        request_id: int,
+        entry: tuple[Method, Handler] | None,
+        request: Any,
+        data: memoryview | None,
+        failure: KvfsError | None,
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        try:
+            frames: list[Buffer]
+            if failure is None:
+                assert entry is not None
+                method, handler = entry
+                try:
+                    result = await handler(request, data, CallContext(peer, method))
+                    frames = self._response(request_id, method, result)
+                except KvfsError as exc:
+                    failure = exc
+                except Exception as exc:
+                    self.log.exception("%s from %s failed", method.name, peer)
+                    failure = KvfsError(f"internal error in {method.name}: {type(exc).__name__}: {exc}", errno.EIO)
+            if failure is not None:
+                body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
+                frames = [wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body)]
+            try:
+                await writer.put(frames)
+            except ConnectionLost:
+                pass
+        finally:
+            limiter.release_on_behalf_of(request_id)
+
+    def _response(self, request_id: int, method: Method, result: HandlerResult) -> list[Buffer]:
+        if isinstance(result, tuple):
+            message, data = result
+        else:
+            message, data = result, None
+        buffers, data_len = _data_buffers(data)
+        body = wire.encode_body(message)
+        return [wire.encode_frame(self._signer, FrameType.RESPONSE, request_id, method.id, body, data_len), *buffers]
+
+
+__all__ = [
+    "CallContext",
+    "Connection",
+    "FrameReader",
+    "Handler",
+    "RpcClient",
+    "RpcServer",
+    "parse_address",
+]

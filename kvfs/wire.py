@@ -1,0 +1,191 @@
+"""The kvfs wire format, without any I/O.
+
+A frame is ``header | body | data``:
+
+* ``header`` — fixed 48 bytes (:data:`HEADER`): magic, protocol version, frame type, flags, request id,
+  method id, body length, data length and a 16-byte authentication tag.
+* ``body`` — one msgspec struct encoded as msgpack: the typed part of a request or response.
+* ``data`` — raw bytes (chunk contents) that the receiver reads straight into a buffer it owns, so bulk
+  data never passes through the message decoder. Bulk data is protected by the CRC32C that travels in the
+  body, not by the tag.
+
+The tag is an HMAC-SHA256 (truncated to 16 bytes) over the header's first 32 bytes and the body, keyed by
+the cluster token, so a peer without the token is refused before any handler runs. Lengths are checked
+against configured limits as soon as a header arrives, before anything is allocated for the frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+
+from kvfs.errors import AuthError, ProtocolError
+
+MAGIC = b"KVFS"
+PROTOCOL_VERSION = 1
+TAG_SIZE = 16
+HEADER = struct.Struct("<4sBBHQIIQ16s")
+HEADER_SIZE = HEADER.size
+_SIGNED = HEADER_SIZE - TAG_SIZE
+_NO_TAG = bytes(TAG_SIZE)
+
+
+class FrameType(enum.IntEnum):
+    REQUEST = 1
+    RESPONSE = 2
+    ERROR = 3
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    #: An ERROR frame telling the peer its own frame failed authentication. It cannot be signed with a
+    #: token the peer does not have, so it is the one frame accepted without a valid tag.
+    AUTH_REFUSED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Upper bounds a receiver enforces before allocating anything for a frame."""
+
+    max_body: int = 4 << 20
+    max_data: int = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    type: FrameType
+    flags: Flags
+    request_id: int
+    method: int
+    body_len: int
+    data_len: int
+    tag: bytes
+
+
+class ErrorBody(msgspec.Struct, array_like=True):
+    """Body of an ERROR frame: the failure travels as ``(errno, message)``."""
+
+    errno: int
+    message: str
+
+
+class Empty(msgspec.Struct, array_like=True):
+    """A request or response with nothing to say beyond its method."""
+
+
+class Signer:
+    """Computes and checks frame tags with the cluster token."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, token: bytes | str) -> None:
+        key = token.encode() if isinstance(token, str) else bytes(token)
+        if not key:
+            raise ValueError("the cluster token must not be empty")
+        self._key = key
+
+    def tag(self, signed_header: bytes, body: bytes | memoryview) -> bytes:
+        return hmac.digest(self._key, signed_header + body, "sha256")[:TAG_SIZE]
+
+    def verify(self, header_bytes: bytes | memoryview, body: bytes | memoryview) -> bool:
+        header_bytes = bytes(header_bytes)
+        expected = self.tag(header_bytes[:_SIGNED], body)
+        return hmac.compare_digest(expected, header_bytes[_SIGNED:])
+
+
+def encode_frame(
+    signer: Signer | None,
+    type: FrameType,
+    request_id: int,
+    method: int,
+    body: bytes,
+    data_len: int = 0,
+    flags: Flags = Flags.NONE,
+) -> bytes:
+    """Return header + body; the caller sends the ``data_len`` data bytes after it."""
+    signed = HEADER.pack(MAGIC, PROTOCOL_VERSION, type, flags, request_id, method, len(body), data_len, _NO_TAG)[
+        :_SIGNED
+    ]
+    tag = _NO_TAG if signer is None else signer.tag(signed, body)
+    return signed + tag + body
+
+
+def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
+    """Parse and bounds-check a header; raise ProtocolError for anything a well-behaved peer never sends."""
+    magic, version, ftype, flags, request_id, method, body_len, data_len, tag = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+    try:
+        ftype = FrameType(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    if flags & ~int(Flags.AUTH_REFUSED):
+        raise ProtocolError(f"unknown flags {flags:#x}")
+    if body_len > limits.max_body:
+        raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")
+    if data_len > limits.max_data:
+        raise ProtocolError(f"data section of {data_len} bytes exceeds the limit of {limits.max_data}")
+    return Header(ftype, Flags(flags), request_id, method, body_len, data_len, tag)
+
+
+def check_tag(signer: Signer, raw_header: bytes | memoryview, header: Header, body: bytes | memoryview) -> None:
+    """Raise AuthError unless the frame is signed with our token (or is a peer's auth refusal)."""
+    if header.type is FrameType.ERROR and header.flags & Flags.AUTH_REFUSED:
+        return
+    if header.tag == _NO_TAG:
+        raise AuthError("frame carries no authentication tag")
+    if not signer.verify(raw_header, body):
+        raise AuthError("frame authentication tag does not match the cluster token")
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One RPC: a stable numeric id, typed request/response bodies, and whether blind retry is safe."""
+
+    id: int
+    name: str
+    request: type[msgspec.Struct]
+    response: type[msgspec.Struct]
+    idempotent: bool = False
+
+    registry: ClassVar[dict[int, Method]] = {}
+
+    def __post_init__(self) -> None:
+        other = Method.registry.get(self.id)
+        if other is not None and other.name != self.name:
+            raise ValueError(f"method id {self.id} is used by both {other.name} and {self.name}")
+        Method.registry[self.id] = self
+
+
+_encoder = msgspec.msgpack.Encoder()
+_error_decoder = msgspec.msgpack.Decoder(ErrorBody)
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode_body(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_body(kind: type[msgspec.Struct], raw: bytes | memoryview) -> Any:
+    """Decode a body into ``kind``; malformed or mistyped bodies become ProtocolError."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {kind.__name__} body: {exc}") from None
+
+
+def decode_error(raw: bytes | memoryview) -> ErrorBody:
+    try:
+        return _error_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed error body: {exc}") from None

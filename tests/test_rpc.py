@@ -1,0 +1,237 @@
+"""The wire protocol and RPC layer against a live server on loopback."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+import msgspec
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfs import wire
+from kvfs.errors import AuthError, KvfsError, RpcTimeout
+from kvfs.rpc import RpcClient, RpcServer
+from kvfs.wire import Limits, Method
+
+TOKEN = "test-token"
+
+
+class EchoRequest(msgspec.Struct, array_like=True):
+    text: str
+    delay: float = 0.0
+    fail_errno: int = 0
+
+
+class EchoResponse(msgspec.Struct, array_like=True):
+    text: str
+    data_len: int
+
+
+ECHO = Method(9001, "test.echo", EchoRequest, EchoResponse, idempotent=True)
+ECHO_ONCE = Method(9002, "test.echo_once", EchoRequest, EchoResponse)
+UNKNOWN = Method(9003, "test.unregistered", EchoRequest, EchoResponse)
+
+
+async def echo(request: EchoRequest, data: memoryview | None, ctx) -> object:
+    if request.delay:
+        await trio.sleep(request.delay)
+    if request.fail_errno:
+        raise KvfsError(f"asked to fail: {request.text}", request.fail_errno)
+    response = EchoResponse(request.text, 0 if data is None else len(data))
+    if data is None:
+        return response
+    half = len(data) // 2
+    return response, [data[:half], data[half:]]  # scatter-gather back
+
+
+@pytest.fixture
+async def server(nursery):
+    srv = RpcServer(TOKEN, limits=Limits(max_body=64 * 1024, max_data=32 << 20), name="test")
+    srv.register(ECHO, echo)
+    srv.register(ECHO_ONCE, echo)
+    port = await nursery.start(srv.serve, "127.0.0.1", 0)
+    yield f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def client():
+    async with RpcClient(TOKEN, call_timeout=10) as c:
+        yield c
+
+
+async def test_round_trip_with_data(server, client):
+    assert await client.call(server, ECHO, EchoRequest("hi")) == EchoResponse("hi", 0)
+    payload = bytes(range(256)) * 4096
+    into = memoryview(bytearray(len(payload) + 10))
+    response, data = await client.call_with_data(server, ECHO, EchoRequest("bulk"), data=payload, into=into)
+    assert response.data_len == len(payload)
+    assert data.obj is into.obj  # landed in the caller's buffer, no extra copy
+    assert bytes(data) == payload
+
+
+async def test_errors_carry_errno(server, client):
+    with pytest.raises(KvfsError) as info:
+        await client.call(server, ECHO_ONCE, EchoRequest("x", fail_errno=errno.ENOENT))
+    assert info.value.errno == errno.ENOENT and "asked to fail" in info.value.message
+    with pytest.raises(KvfsError) as info:
+        await client.call(server, UNKNOWN, EchoRequest("x"))
+    assert info.value.errno == errno.ENOSYS
+
+
+async def test_thousand_concurrent_calls_on_one_connection(server, client):
+    results: dict[int, EchoResponse] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await client.call(server, ECHO, EchoRequest(str(i), delay=0.001 * (i % 7)), data=b"x" * (i % 50))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(1000):
+            nursery.start_soon(one, i)
+    assert len(client._connections) == 1
+    assert all(results[i] == EchoResponse(str(i), i % 50) for i in range(1000))
+
+
+async def test_deadline(server, client):
+    with pytest.raises(RpcTimeout):
+        await client.call(server, ECHO_ONCE, EchoRequest("slow", delay=5), timeout=0.2)
+    # the late answer is dropped and the connection keeps working
+    assert (await client.call(server, ECHO, EchoRequest("after"))).text == "after"
+
+
+@pytest.mark.parametrize("token", ["wrong-token", None])
+async def test_wrong_or_missing_token_is_refused(server, token):
+    if token is None:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", int(server.rsplit(":", 1)[1])))
+        body = wire.encode_body(EchoRequest("no tag"))
+        await sock.send(wire.encode_frame(None, wire.FrameType.REQUEST, 1, ECHO.id, body))
+        reply = await _recv_all(sock)
+        header = wire.decode_header(reply[: wire.HEADER_SIZE], Limits())
+        assert header.flags & wire.Flags.AUTH_REFUSED
+        assert b"no authentication tag" in reply
+        return
+    async with RpcClient(token, retries=0) as bad:
+        with pytest.raises(AuthError, match="refused"):
+            await bad.call(server, ECHO_ONCE, EchoRequest("x"))
+
+
+async def _recv_all(sock) -> bytes:
+    chunks = []
+    with trio.move_on_after(5):
+        while chunk := await sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _raw_send(address: str, payload: bytes) -> None:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(2)
+            while sock.recv(65536):
+                pass
+        except OSError:
+            pass  # the server may reset us; that is the point
+
+
+def _signed(header_fields: dict, body: bytes, data: bytes = b"") -> bytes:
+    signer = wire.Signer(TOKEN)
+    frame = wire.encode_frame(signer, wire.FrameType.REQUEST, 7, ECHO.id, body, len(data))
+    raw = bytearray(frame)
+    for name, value in header_fields.items():
+        offset, fmt = {"magic": (0, "4s"), "version": (4, "B"), "type": (5, "B"), "body_len": (20, "I"),
+                       "data_len": (24, "Q")}[name]
+        struct.pack_into("<" + fmt, raw, offset, value)
+    return bytes(raw) + data
+
+
+BAD_FRAMES = {
+    "bad magic": _signed({"magic": b"XXXX"}, wire.encode_body(EchoRequest("a"))),
+    "bad version": _signed({"version": 99}, wire.encode_body(EchoRequest("a"))),
+    "bad type": _signed({"type": 77}, wire.encode_body(EchoRequest("a"))),
+    "oversized body": _signed({"body_len": 1 << 30}, b""),
+    "oversized data": _signed({"data_len": 1 << 40}, wire.encode_body(EchoRequest("a"))),
+    "truncated header": _signed({}, wire.encode_body(EchoRequest("a")))[:20],
+    "truncated body": _signed({}, wire.encode_body(EchoRequest("a" * 100)))[:-10],
+    "truncated data": _signed({}, wire.encode_body(EchoRequest("a")), b"z" * 1000)[:-1] ,
+    "tampered body": _signed({}, wire.encode_body(EchoRequest("a")))[:-1] + b"b",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FRAMES))
+async def test_server_survives_bad_frame(server, client, name, caplog):
+    await trio.to_thread.run_sync(_raw_send, server, BAD_FRAMES[name])
+    assert (await client.call(server, ECHO, EchoRequest("still here"))).text == "still here"
+
+
+async def test_garbage_body_with_good_tag_gets_an_error_and_connection_survives(server):
+    signer = wire.Signer(TOKEN)
+    sock = trio.socket.socket()
+    await sock.connect(("127.0.0.1", int(server.rsplit(":", 1)[1])))
+    frames = wire.encode_frame(signer, wire.FrameType.REQUEST, 1, ECHO.id, b"\xc1garbage")
+    frames += wire.encode_frame(signer, wire.FrameType.REQUEST, 2, ECHO.id, wire.encode_body(EchoRequest("ok")))
+    await sock.send(frames)
+    reader_limits = Limits()
+    got = {}
+    buf = b""
+    with trio.fail_after(5):
+        while len(got) < 2:
+            buf += await sock.recv(65536)
+            while len(buf) >= wire.HEADER_SIZE:
+                header = wire.decode_header(buf[: wire.HEADER_SIZE], reader_limits)
+                end = wire.HEADER_SIZE + header.body_len
+                if len(buf) < end:
+                    break
+                got[header.request_id] = (header.type, buf[wire.HEADER_SIZE:end])
+                buf = buf[end:]
+    assert got[1][0] is wire.FrameType.ERROR
+    assert wire.decode_error(got[1][1]).errno == errno.EPROTO
+    assert got[2][0] is wire.FrameType.RESPONSE
+    sock.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.one_of(
+    st.binary(max_size=2048),
+    st.builds(lambda tail: wire.MAGIC + bytes([wire.PROTOCOL_VERSION]) + tail, st.binary(max_size=512)),
+))
+def test_hypothesis_garbage_against_live_server(garbage):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            srv = RpcServer(TOKEN, limits=Limits(max_body=4096, max_data=1 << 20))
+            srv.register(ECHO, echo)
+            port = await nursery.start(srv.serve, "127.0.0.1", 0)
+            address = f"127.0.0.1:{port}"
+            await trio.to_thread.run_sync(_raw_send, address, garbage)
+            async with RpcClient(TOKEN) as good:
+                assert (await good.call(address, ECHO, EchoRequest("ok"))).text == "ok"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def test_idempotent_calls_retry_after_server_restart(client):
+    async with trio.open_nursery() as nursery:
+        srv = RpcServer(TOKEN)
+        srv.register(ECHO, echo)
+        scope = trio.CancelScope()
+
+        async def run_server(port, task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await srv.serve("127.0.0.1", port, task_status=task_status)
+
+        port = await nursery.start(run_server, 0)
+        address = f"127.0.0.1:{port}"
+        assert (await client.call(address, ECHO, EchoRequest("1"))).text == "1"
+        scope.cancel()
+        await trio.sleep(0.05)
+        scope = trio.CancelScope()
+        await nursery.start(run_server, port)
+        assert (await client.call(address, ECHO, EchoRequest("2"))).text == "2"
+        nursery.cancel_scope.cancel()
