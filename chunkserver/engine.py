@@ -1,0 +1,629 @@
+"""Chunk engine: the local, synchronous store of one storage target (one disk or directory).
+
+Theory of operation
+-------------------
+The replication layer (CRAQ) decides versions; this module only keeps them safe. Every chunk has a
+*committed* version (version 0 = empty, when nothing was ever committed) and at most one *pending*
+version. Writes are copy-on-write: a pending version is a complete new copy of the chunk, written
+into a free *slot* beside the committed one, and ``commit`` only flips metadata.
+
+On-disk format (under ``root``)::
+
+    LOCK                 flock()ed while an engine has the target open (one engine per target)
+    chunks.sqlite        SQLite, WAL mode, synchronous=FULL (OFF when fsync=False)
+    data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
+                         slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
+
+A version of length L lives in one slot of the smallest class >= max(L, 64 KiB). Slot files are
+preallocated with ``posix_fallocate`` and slots are reused, so a write never creates a file (a
+file create costs up to ~1 ms, PERFORMANCE.md). Table ``versions`` has one row per committed or
+pending version: (inode, idx, pending, version, length, crc, block_crcs, cls, slot). The free
+list is *not* stored: at open every slot not named by a row is free, so a crash can leak nothing.
+
+Checksums: one CRC32C per 64 KiB block (``BLOCK``), stored as a little array in the row, so a
+range read verifies only the blocks it touches. 64 KiB rather than 4 KiB because the block list
+is rewritten with every version: a 64 MiB chunk carries 4 KiB of CRCs instead of 64 KiB, while a
+4 KiB random read pays one 64 KiB read (~50 us on these disks) plus ~3 us of CRC. The whole-chunk
+CRC (compared along the chain) is derived from the block CRCs without rereading data, using
+linearity: crc(A+B) = crc32c(zeros(len B), value=crc(A)) ^ crc(B) ^ crc(zeros(len B)).
+
+Crash safety
+------------
+A version's data is written into a slot no row names and fdatasync'ed *before* the row that
+names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit`` is one transaction
+that deletes the old committed row and turns the pending row into the committed one. A slot is
+reused only after the transaction that dropped its row is durable. Hence after kill -9 (or, with
+fsync=True, power loss) each chunk is at its old or new committed version, and every row points
+at complete, checksummed data. Pending versions survive a restart and are reported by
+``meta().pending_version``: the replication layer commits or aborts them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sqlite3
+import threading
+from array import array
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+from crc32c import crc32c
+
+from kvfs.errors import ChecksumMismatch, KvfsError
+
+BLOCK = 64 * 1024
+"""Bytes covered by one stored CRC32C."""
+MIN_CLASS_LOG2 = 16
+MAX_CLASS_LOG2 = 26
+_ZEROS = memoryview(bytes(BLOCK))
+_ZERO_BLOCK_CRC = crc32c(_ZEROS)
+_FORMAT = 1
+
+
+class ChunkId(NamedTuple):
+    inode: int
+    index: int
+
+
+class ChunkMeta(msgspec.Struct, frozen=True):
+    """One version of a chunk (``version``, ``length``, ``crc``) and where the chunk stands."""
+
+    chunk_id: ChunkId
+    version: int
+    length: int
+    crc: int
+    committed_version: int
+    pending_version: int | None = None
+
+
+class StaleVersion(KvfsError):
+    """A write names a version that is not newer than the committed one."""
+
+    default_errno = errno.EALREADY
+
+
+@dataclass(slots=True)
+class _Version:
+    version: int
+    length: int
+    crc: int
+    blocks: array  # array('I') of per-BLOCK CRC32Cs
+    cls: int  # log2 of the slot size; -1 only for the virtual empty version 0
+    slot: int
+    origin: tuple | None = None  # (offset, len, crc, new_len) of the write that made it, for retransmits
+
+
+_EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
+
+
+@dataclass(slots=True)
+class _Entry:
+    committed: _Version | None = None
+    pending: _Version | None = None
+
+
+@dataclass(slots=True)
+class _SlotFile:
+    path: Path
+    fd: int
+    size: int
+    total: int
+    free: list[int]
+
+
+def _class_for(length: int) -> int:
+    return max(MIN_CLASS_LOG2, (max(length, 1) - 1).bit_length())
+
+
+def _nblocks(length: int) -> int:
+    return -(-length // BLOCK)
+
+
+def fold_crc(blocks: array | list[int], length: int) -> int:
+    """CRC32C of a whole chunk from its per-BLOCK CRCs (see the module docstring for why this holds)."""
+    total = 0
+    for i, block_crc in enumerate(blocks):
+        if i == 0:
+            total = block_crc
+            continue
+        n = min(BLOCK, length - i * BLOCK)
+        zero_crc = _ZERO_BLOCK_CRC if n == BLOCK else crc32c(_ZEROS[:n])
+        total = crc32c(_ZEROS[:n], value=total) ^ block_crc ^ zero_crc
+    return total
+
+
+def _enospc(what: str) -> KvfsError:
+    return KvfsError(what, errno.ENOSPC)
+
+
+class ChunkEngine:
+    """Chunk versions of one storage target. Thread-safe: big calls may run in worker threads while
+    small cached ones (``meta``, ``list_chunks``, ``space``, ``local_location``) run inline."""
+
+    def __init__(self, root: Path, *, fsync: bool = True, capacity_bytes: int | None = None) -> None:
+        self.root = Path(root)
+        self._fsync = fsync
+        self._capacity = capacity_bytes
+        self._lock = threading.Lock()  # in-memory state; never held across disk I/O except fallocate
+        self._db_lock = threading.Lock()  # serialises metadata writers; held across the SQLite commit
+        self._chunks: dict[int, dict[int, _Entry]] = {}
+        self._pins: Counter[tuple[int, int]] = Counter()
+        self._deferred: set[tuple[int, int]] = set()
+        self._used = 0
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+        self._lockfd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lockfd)
+            raise KvfsError(f"target {self.root} is open in another engine", errno.EBUSY) from None
+        self._db = sqlite3.connect(self.root / "chunks.sqlite", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")
+        self._db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS target(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+            CREATE TABLE IF NOT EXISTS versions(
+                inode INTEGER NOT NULL, idx INTEGER NOT NULL, pending INTEGER NOT NULL,
+                version INTEGER NOT NULL, length INTEGER NOT NULL, crc INTEGER NOT NULL,
+                block_crcs BLOB NOT NULL, cls INTEGER NOT NULL, slot INTEGER NOT NULL,
+                PRIMARY KEY (inode, idx, pending)) WITHOUT ROWID;
+            INSERT OR IGNORE INTO target VALUES ('format', 1), ('block', 65536);
+            """
+        )
+        fmt = dict(self._db.execute("SELECT key, value FROM target"))
+        if fmt != {"format": _FORMAT, "block": BLOCK}:
+            raise KvfsError(f"target {self.root} has unsupported format {fmt}", errno.EINVAL)
+        self._files = {c: self._open_slot_file(c) for c in range(MIN_CLASS_LOG2, MAX_CLASS_LOG2 + 1)}
+        self._load()
+        if fsync:
+            for d in (self.root, self.root / "data"):
+                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+
+    def _open_slot_file(self, cls: int) -> _SlotFile:
+        path = self.root / "data" / f"{cls:02d}.dat"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        size = 1 << cls
+        return _SlotFile(path, fd, size, os.fstat(fd).st_size // size, [])
+
+    def _load(self) -> None:
+        """Rebuild the index from the rows; every slot no row names is free."""
+        used: set[tuple[int, int]] = set()
+        for inode, idx, pending, version, length, crc, blob, cls, slot in self._db.execute(
+            "SELECT * FROM versions"
+        ):
+            v = _Version(version, length, crc, array("I", blob), cls, slot)
+            entry = self._chunks.setdefault(inode, {}).setdefault(idx, _Entry())
+            if pending:
+                entry.pending = v
+            else:
+                entry.committed = v
+            used.add((cls, slot))
+            self._used += 1 << cls
+        for cls, f in self._files.items():
+            f.free = [s for s in range(f.total - 1, -1, -1) if (cls, s) not in used]
+
+    def close(self) -> None:
+        """Release files and the target lock; the engine is unusable afterwards."""
+        self._db.close()
+        for f in self._files.values():
+            os.close(f.fd)
+        os.close(self._lockfd)
+
+    def __enter__(self) -> ChunkEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- slots and pins (hold _lock)
+
+    def _alloc(self, length: int) -> tuple[int, int]:
+        cls = _class_for(length)
+        if cls > MAX_CLASS_LOG2:
+            raise KvfsError(f"chunk length {length} exceeds {1 << MAX_CLASS_LOG2}", errno.EINVAL)
+        f = self._files[cls]
+        if self._capacity is not None and self._used + f.size > self._capacity:
+            raise _enospc(f"target {self.root} full: {self._used} of {self._capacity} bytes used")
+        if f.free:
+            slot = f.free.pop()
+        else:
+            try:
+                os.posix_fallocate(f.fd, f.total * f.size, f.size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _enospc(f"disk of target {self.root} is full") from e
+                raise
+            slot = f.total
+            f.total += 1
+        self._used += f.size
+        return cls, slot
+
+    def _free(self, cls: int, slot: int) -> None:
+        if slot < 0:
+            return
+        if self._pins[(cls, slot)]:
+            self._deferred.add((cls, slot))
+            return
+        self._files[cls].free.append(slot)
+        self._used -= 1 << cls
+
+    def _pin(self, v: _Version) -> None:
+        if v.slot >= 0:
+            self._pins[(v.cls, v.slot)] += 1
+
+    def _unpin(self, v: _Version) -> None:
+        key = (v.cls, v.slot)
+        if v.slot < 0:
+            return
+        self._pins[key] -= 1
+        if not self._pins[key]:
+            del self._pins[key]
+            if key in self._deferred:
+                self._deferred.discard(key)
+                self._free(*key)
+
+    def _entry(self, cid: ChunkId) -> _Entry | None:
+        return self._chunks.get(cid.inode, {}).get(cid.index)
+
+    def _meta(self, cid: ChunkId, v: _Version, entry: _Entry) -> ChunkMeta:
+        committed = entry.committed.version if entry.committed else 0
+        pending = entry.pending.version if entry.pending else None
+        return ChunkMeta(cid, v.version, v.length, v.crc, committed, pending)
+
+    # ------------------------------------------------------------------------------ data I/O
+
+    def _read_verified(self, v: _Version, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes [offset, offset+len(out)) of version ``v``, reading whole blocks
+        (head and tail into scratch, the middle straight into ``out``) and checking each block's CRC."""
+        n = len(out)
+        if n == 0:
+            return
+        end = offset + n
+        lo = offset // BLOCK * BLOCK
+        hi = min(_nblocks(end) * BLOCK, v.length)
+        head, tail = memoryview(bytearray(offset - lo)), memoryview(bytearray(hi - end))
+        f = self._files[v.cls]
+        got = os.preadv(f.fd, [b for b in (head, out, tail) if len(b)], v.slot * f.size + lo)
+        if got != hi - lo:
+            raise ChecksumMismatch(f"{f.path} slot {v.slot}: short read ({got} of {hi - lo} bytes)")
+        segments = ((lo, head), (offset, out), (end, tail))
+        for b in range(lo // BLOCK, _nblocks(hi)):
+            blo, bhi = b * BLOCK, min(b * BLOCK + BLOCK, v.length)
+            crc = 0
+            for start, buf in segments:
+                s, t = max(blo, start), min(bhi, start + len(buf))
+                if s < t:
+                    crc = crc32c(buf[s - start : t - start], value=crc)
+            if crc != v.blocks[b]:
+                raise ChecksumMismatch(f"{f.path} slot {v.slot} block {b}: stored data is corrupt")
+
+    def _copy(self, old: _Version, lo: int, hi: int, dst: _SlotFile, dst_off: int) -> None:
+        """Copy unchanged bytes of the old version in the kernel; their block CRCs carry over, so
+        corruption in them stays detectable instead of being laundered into a fresh CRC."""
+        src = self._files[old.cls]
+        src_off = old.slot * src.size + lo
+        while lo < hi:
+            n = os.copy_file_range(src.fd, dst.fd, hi - lo, src_off, dst_off)
+            if n <= 0:
+                raise ChecksumMismatch(f"{src.path} slot {old.slot}: ends early")
+            lo, src_off, dst_off = lo + n, src_off + n, dst_off + n
+
+    @staticmethod
+    def _pwrite(fd: int, data: memoryview, offset: int) -> None:
+        while len(data):
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def _fill(self, old: _Version, cls: int, slot: int, offset: int, data: memoryview, new_len: int) -> array:
+        """Write the new version (old, with ``data`` at ``offset``, cut or zero-extended to
+        ``new_len``) into the slot; return its block CRCs. Runs of blocks wholly from ``data``
+        are written in one pwrite, runs wholly unchanged are copied in the kernel, and blocks
+        that mix old bytes, new bytes or zeros are assembled in memory."""
+        dst = self._files[cls]
+        base = slot * dst.size
+        end = offset + len(data)
+        crcs = array("I")
+
+        def kind(b: int) -> int:
+            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
+            if len(data) and offset <= lo and hi <= end:
+                return 0  # all new data
+            untouched = not len(data) or hi <= offset or lo >= end
+            if untouched and lo < old.length and hi == min(lo + BLOCK, old.length):
+                return 1  # the old block as it was
+            return 2  # mixed: assemble
+
+        b, nblocks = 0, _nblocks(new_len)
+        while b < nblocks:
+            k = kind(b)
+            e = b + 1
+            while k != 2 and e < nblocks and kind(e) == k:
+                e += 1
+            lo, hi = b * BLOCK, min(e * BLOCK, new_len)
+            if k == 0:
+                self._pwrite(dst.fd, data[lo - offset : hi - offset], base + lo)
+                crcs.extend(crc32c(data[x - offset : min(x + BLOCK, hi) - offset]) for x in range(lo, hi, BLOCK))
+            elif k == 1:
+                self._copy(old, lo, hi, dst, base + lo)
+                crcs.extend(old.blocks[b:e])
+            else:
+                buf = memoryview(bytearray(hi - lo))
+                keep = min(hi, old.length) - lo
+                if keep > 0:
+                    self._read_verified(old, lo, buf[:keep])
+                s, t = max(lo, offset), min(hi, end)
+                if s < t:
+                    buf[s - lo : t - lo] = data[s - offset : t - offset]
+                self._pwrite(dst.fd, buf, base + lo)
+                crcs.append(crc32c(buf))
+            b = e
+        return crcs
+
+    # ------------------------------------------------------------------------------ public API
+
+    def write_pending(
+        self,
+        chunk_id: ChunkId,
+        version: int,
+        offset: int,
+        data: bytes | bytearray | memoryview,
+        crc: int,
+        *,
+        full_replace: bool = False,
+        chunk_size: int,
+    ) -> ChunkMeta:
+        """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
+
+        Raises ChecksumMismatch (nothing touched) if ``crc32c(data) != crc``, EINVAL past
+        ``chunk_size``, ENOSPC when full, StaleVersion if ``version`` is not newer than the
+        committed one. A retransmit of the staged (or just committed) write returns its meta.
+        A different pending version replaces the current one: the replication layer decides.
+        """
+        data = memoryview(data).cast("B")
+        if crc32c(data) != crc:
+            raise ChecksumMismatch(f"chunk {chunk_id} v{version}: data does not match its CRC32C")
+        if offset < 0 or offset + len(data) > chunk_size or (full_replace and offset):
+            raise KvfsError(
+                f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
+                errno.EINVAL,
+            )
+        return self._stage(chunk_id, version, offset, data, crc, full_replace=full_replace, force=False)
+
+    def _stage(
+        self, cid: ChunkId, version: int, offset: int, data: memoryview, crc: int,
+        *, full_replace: bool, force: bool, new_len: int | None = None,
+    ) -> ChunkMeta:
+        with self._lock:
+            entry = self._entry(cid) or _Entry()
+            old = entry.committed or _EMPTY
+            if new_len is None:
+                new_len = len(data) if full_replace else max(old.length, offset + len(data))
+            origin = (offset, len(data), crc, new_len)
+            for v in (entry.pending, entry.committed):
+                if not force and v is not None and v.version == version and v.origin == origin:
+                    return self._meta(cid, v, entry)
+            if not force and version <= old.version:
+                raise StaleVersion(f"chunk {cid}: v{version} is not newer than committed v{old.version}")
+            cls, slot = self._alloc(new_len)
+            self._pin(old)
+        try:
+            try:
+                blocks = self._fill(old, cls, slot, offset, data, new_len)
+                if self._fsync:
+                    os.fdatasync(self._files[cls].fd)
+            finally:
+                with self._lock:
+                    self._unpin(old)
+            whole = crc if full_replace else fold_crc(blocks, new_len)
+            staged = _Version(version, new_len, whole, blocks, cls, slot, origin)
+            return self._publish_pending(cid, staged, force)
+        except BaseException as e:
+            with self._lock:
+                self._free(cls, slot)
+            if isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _enospc(f"disk of target {self.root} is full") from e
+            raise
+
+    def _publish_pending(self, cid: ChunkId, v: _Version, force: bool) -> ChunkMeta:
+        with self._db_lock:
+            entry = self._entry(cid) or _Entry()
+            committed = entry.committed.version if entry.committed else 0
+            if not force and v.version <= committed:
+                raise StaleVersion(f"chunk {cid}: v{v.version} is not newer than committed v{committed}")
+            self._execute((
+                "INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?)",
+                (cid.inode, cid.index, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot),
+            ))
+            with self._lock:
+                entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
+                if entry.pending is not None:
+                    self._free(entry.pending.cls, entry.pending.slot)
+                entry.pending = v
+                return self._meta(cid, v, entry)
+
+    def _execute(self, *statements: tuple[str, tuple]) -> None:
+        """Run statements as one durable transaction; a full disk becomes ENOSPC with nothing changed."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, args in statements:
+                    self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as e:
+            if "full" in str(e):
+                raise _enospc(f"metadata of target {self.root}: {e}") from e
+            raise KvfsError(f"metadata of target {self.root}: {e}", errno.EIO) from e
+
+    def commit(self, chunk_id: ChunkId, version: int) -> ChunkMeta:
+        """Make pending ``version`` the committed one (atomic); idempotent once it is committed."""
+        with self._db_lock:
+            entry = self._entry(chunk_id)
+            if entry is not None and entry.committed is not None and entry.committed.version == version:
+                return self._meta(chunk_id, entry.committed, entry)
+            if entry is None or entry.pending is None or entry.pending.version != version:
+                raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
+            key = (chunk_id.inode, chunk_id.index)
+            self._execute(
+                ("DELETE FROM versions WHERE inode=? AND idx=? AND pending=0", key),
+                ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key),
+            )
+            with self._lock:
+                if entry.committed is not None:
+                    self._free(entry.committed.cls, entry.committed.slot)
+                entry.committed, entry.pending = entry.pending, None
+                return self._meta(chunk_id, entry.committed, entry)
+
+    def abort(self, chunk_id: ChunkId, version: int) -> None:
+        """Drop pending ``version`` if it is there (idempotent)."""
+        with self._db_lock:
+            entry = self._entry(chunk_id)
+            if entry is None or entry.pending is None or entry.pending.version != version:
+                return
+            self._execute(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", tuple(chunk_id)))
+            with self._lock:
+                self._free(entry.pending.cls, entry.pending.slot)
+                entry.pending = None
+                self._forget_if_empty(chunk_id, entry)
+
+    def _forget_if_empty(self, cid: ChunkId, entry: _Entry) -> None:
+        if entry.committed is None and entry.pending is None:
+            files = self._chunks.get(cid.inode, {})
+            files.pop(cid.index, None)
+            if not files:
+                self._chunks.pop(cid.inode, None)
+
+    def read(
+        self,
+        chunk_id: ChunkId,
+        offset: int,
+        length: int,
+        *,
+        version: int | None = None,
+        into: memoryview | None = None,
+    ) -> tuple[bytearray | int, ChunkMeta]:
+        """Read up to ``length`` bytes at ``offset`` of the committed version (or the named one),
+        verifying the CRC of every block touched. Returns a new bytearray, or the byte count when
+        ``into`` is given (filled without an extra copy). Raises ENOENT for a missing chunk or
+        version and ChecksumMismatch for corrupt data (serve from another replica, then repair)."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            v = None
+            if entry is not None:
+                v = next((x for x in (entry.committed, entry.pending)
+                          if x is not None and (x.version == version if version is not None else x is entry.committed)),
+                         None)
+            if v is None:
+                raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
+                                errno.ENOENT)
+            meta = self._meta(chunk_id, v, entry)
+            self._pin(v)
+        try:
+            if offset < 0 or length < 0:
+                raise KvfsError(f"chunk {chunk_id}: bad range {offset}+{length}", errno.EINVAL)
+            n = max(0, min(length, v.length - offset))
+            if into is not None:
+                out = memoryview(into).cast("B")
+                n = min(n, len(out))
+                out = out[:n]
+            else:
+                out = memoryview(bytearray(n))
+            self._read_verified(v, offset, out)
+        finally:
+            with self._lock:
+                self._unpin(v)
+        return (n if into is not None else out.obj), meta
+
+    def meta(self, chunk_id: ChunkId) -> ChunkMeta | None:
+        """The committed version (version 0, empty, if only a pending one exists), or None."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            return None if entry is None else self._meta(chunk_id, entry.committed or _EMPTY, entry)
+
+    def list_chunks(self, inode: int | None = None) -> Iterator[ChunkMeta]:
+        """Metas of all chunks (of one inode), ordered by (inode, index); a snapshot, safe to iterate slowly."""
+        with self._lock:
+            inodes = [inode] if inode is not None else sorted(self._chunks)
+            metas = [
+                self._meta(ChunkId(i, x), e.committed or _EMPTY, e)
+                for i in inodes
+                for x, e in sorted(self._chunks.get(i, {}).items())
+            ]
+        return iter(metas)
+
+    def remove(self, chunk_id: ChunkId) -> bool:
+        """Delete a chunk, committed and pending; False if it was not there."""
+        return self._remove("inode=? AND idx=?", tuple(chunk_id), [chunk_id]) > 0
+
+    def remove_file(self, inode: int) -> int:
+        """Delete every chunk of ``inode``; returns how many there were."""
+        with self._lock:
+            ids = [ChunkId(inode, x) for x in self._chunks.get(inode, {})]
+        return self._remove("inode=?", (inode,), ids)
+
+    def _remove(self, where: str, args: tuple, ids: list[ChunkId]) -> int:
+        with self._db_lock:
+            ids = [c for c in ids if self._entry(c) is not None]
+            if ids:
+                self._execute((f"DELETE FROM versions WHERE {where}", args))
+            with self._lock:
+                for cid in ids:
+                    entry = self._entry(cid)
+                    for v in (entry.committed, entry.pending):
+                        if v is not None:
+                            self._free(v.cls, v.slot)
+                    entry.committed = entry.pending = None
+                    self._forget_if_empty(cid, entry)
+            return len(ids)
+
+    def truncate(self, chunk_id: ChunkId, length: int, version: int) -> ChunkMeta:
+        """Cut or zero-extend the chunk to ``length`` as new committed ``version`` (copy-on-write)."""
+        if length < 0:
+            raise KvfsError(f"chunk {chunk_id}: negative length {length}", errno.EINVAL)
+        self._stage(chunk_id, version, length, memoryview(b""), 0, full_replace=False, force=False, new_len=length)
+        return self.commit(chunk_id, version)
+
+    def replace_full(
+        self, chunk_id: ChunkId, version: int, data: bytes | bytearray | memoryview, crc: int
+    ) -> ChunkMeta:
+        """Install ``data`` as committed ``version`` whatever is there now (resync and repair)."""
+        data = memoryview(data).cast("B")
+        if crc32c(data) != crc:
+            raise ChecksumMismatch(f"chunk {chunk_id} v{version}: data does not match its CRC32C")
+        self._stage(chunk_id, version, 0, data, crc, full_replace=True, force=True)
+        return self.commit(chunk_id, version)
+
+    def space(self) -> tuple[int, int, int]:
+        """(capacity, used, free) in bytes for statfs; used counts the slots of live versions."""
+        st = os.statvfs(self.root)
+        with self._lock:
+            pooled = sum(len(f.free) * f.size for f in self._files.values())
+            used = self._used
+        capacity = self._capacity if self._capacity is not None else st.f_blocks * st.f_frsize
+        return capacity, used, max(0, min(capacity - used, st.f_bavail * st.f_frsize + pooled))
+
+    def local_location(self, chunk_id: ChunkId) -> tuple[Path, int, int, int] | None:
+        """(file, offset, length, version) of the committed data, for short-circuit/GPUDirect readers.
+
+        The bytes stay there only until the chunk's next commit or removal: read them, then check
+        that ``meta(chunk_id).version`` is still ``version`` (else the slot may hold other data)."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            if entry is None or entry.committed is None:
+                return None
+            v = entry.committed
+            f = self._files[v.cls]
+            return f.path, v.slot * f.size, v.length, v.version
