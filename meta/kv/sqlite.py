@@ -1,0 +1,233 @@
+"""SQLite engine: one file in WAL mode, optimistic transactions over SQLite snapshots.
+
+How a transaction maps onto SQLite:
+
+* The first non-snapshot read opens a deferred read transaction; in WAL mode that pins a
+  snapshot, so every later read sees the same version (repeatable, serializable reads).
+* Writes are buffered in a :class:`WriteBuffer` (read-your-writes) and applied at commit.
+* Commit upgrades the read transaction to a write transaction.  If any other connection
+  committed since the snapshot was taken, SQLite refuses with SQLITE_BUSY_SNAPSHOT; that is
+  :class:`TransactionConflict` and the retry helper runs the function again.  While another
+  writer merely holds the lock (plain SQLITE_BUSY) the upgrade is retried until
+  ``busy_timeout``: either the lock frees with the snapshot still current, or it became stale.
+* A transaction that read only with ``snapshot=True`` (or not at all) cannot conflict: its
+  writes are applied in a fresh ``BEGIN IMMEDIATE``, like FoundationDB's snapshot reads.
+* Atomic add/max read the stored value under the write lock at commit, so they never conflict.
+
+Conflicts are detected at database granularity: any commit by anyone invalidates every open
+snapshot.  That gives false conflicts (retried, harmless) but never misses a real one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from typing import Iterator
+
+from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
+
+from .base import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, Database, KeyValue, Transaction
+from .buffer import Atomic, WriteBuffer
+
+SQLITE_BUSY = 5
+SQLITE_BUSY_SNAPSHOT = 517
+_SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
+
+
+class SqliteDatabase(Database):
+    """The embedded default engine; several processes may open the same file."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        busy_timeout_s: float = 10.0,
+        synchronous: str = "NORMAL",
+    ) -> None:
+        """``synchronous=NORMAL`` in WAL mode never corrupts the file; a power loss may drop the
+        last commits.  Pass ``"FULL"`` to fsync every commit."""
+        self.path = path
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.busy_timeout_s = busy_timeout_s
+        self._synchronous = synchronous
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        conn = self._connect()
+        conn.execute(_SCHEMA)
+        self._release(conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._synchronous}")
+        return conn
+
+    def _acquire(self) -> sqlite3.Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _release(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        with self._lock:
+            self._idle.append(conn)
+
+    def create_transaction(self) -> "SqliteTransaction":
+        return SqliteTransaction(self)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    return getattr(exc, "sqlite_errorcode", None) == SQLITE_BUSY
+
+
+class SqliteTransaction(Transaction):
+    def __init__(self, db: SqliteDatabase) -> None:
+        self._db = db
+        self._conn: sqlite3.Connection | None = None
+        self.reset()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._end_connection()
+        self._buf = WriteBuffer()
+        self._conflicting_reads = False
+        self._started = time.monotonic()
+
+    def _end_connection(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            self._db._release(conn)
+
+    def _check_age(self) -> None:
+        if time.monotonic() - self._started > self._db.max_age_s:
+            raise TransactionTooOld(f"transaction older than {self._db.max_age_s} s")
+
+    def _read_conn(self, snapshot: bool) -> sqlite3.Connection:
+        """The connection holding this transaction's snapshot, opened on first read."""
+        self._check_age()
+        if not snapshot:
+            self._conflicting_reads = True
+        if self._conn is None:
+            self._conn = self._db._acquire()
+            self._conn.execute("BEGIN DEFERRED")
+        return self._conn
+
+    # -- reads -----------------------------------------------------------------------------
+    def _stored_get(self, key: bytes, snapshot: bool) -> bytes | None:
+        row = self._read_conn(snapshot).execute("SELECT v FROM kv WHERE k = ?", (key,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def _stored_range(self, begin: bytes, end: bytes, reverse: bool, snapshot: bool) -> Iterator[KeyValue]:
+        order = "DESC" if reverse else "ASC"
+        cur = self._read_conn(snapshot).execute(
+            f"SELECT k, v FROM kv WHERE k >= ? AND k < ? ORDER BY k {order}", (begin, end)
+        )
+        return ((bytes(k), bytes(v)) for k, v in cur)
+
+    def get(self, key: bytes, snapshot: bool = False) -> bytes | None:
+        return self._buf.overlay_get(key, lambda: self._stored_get(key, snapshot))
+
+    def get_range(
+        self, begin: bytes, end: bytes, limit: int = 0, reverse: bool = False, snapshot: bool = False
+    ) -> list[KeyValue]:
+        if begin >= end:
+            self._check_age()
+            return []
+        rows = self._buf.overlay_range(
+            begin,
+            end,
+            reverse,
+            self._stored_range(begin, end, reverse, snapshot),
+            lambda k: self._stored_get(k, snapshot),
+        )
+        out: list[KeyValue] = []
+        for kv in rows:
+            out.append(kv)
+            if limit and len(out) >= limit:
+                break
+        return out
+
+    # -- writes ----------------------------------------------------------------------------
+    def set(self, key: bytes, value: bytes) -> None:
+        self._buf.set(bytes(key), bytes(value))
+
+    def clear(self, key: bytes) -> None:
+        self._buf.clear(bytes(key))
+
+    def clear_range(self, begin: bytes, end: bytes) -> None:
+        self._buf.clear_range(bytes(begin), bytes(end))
+
+    def add(self, key: bytes, delta: int) -> None:
+        self._buf.atomic("add", bytes(key), delta)
+
+    def max(self, key: bytes, value: int) -> None:
+        self._buf.atomic("max", bytes(key), value)
+
+    # -- commit ----------------------------------------------------------------------------
+    def commit(self) -> None:
+        self._check_age()
+        if self._buf.size > self._db.max_bytes:
+            raise TransactionTooLarge(f"transaction writes {self._buf.size} bytes > {self._db.max_bytes}")
+        try:
+            if self._buf:
+                conn = self._begin_write()
+                self._apply(conn)
+                conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) in (SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT):
+                raise TransactionConflict(f"sqlite: {exc}") from exc
+            raise KvfsError(f"sqlite commit failed: {exc}") from exc
+        finally:
+            self.reset()
+
+    def _begin_write(self) -> sqlite3.Connection:
+        """Take the write lock, keeping the snapshot if reads must be validated against it."""
+        if not self._conflicting_reads:
+            self._end_connection()  # snapshot reads only: no need to keep their version
+            self._conn = self._db._acquire()
+            self._conn.execute("BEGIN IMMEDIATE")  # waits up to busy_timeout for the lock
+            return self._conn
+        conn = self._conn
+        assert conn is not None
+        deadline = time.monotonic() + self._db.busy_timeout_s
+        delay = 0.0005
+        while True:
+            try:
+                # Upgrading a read transaction does not wait in SQLite's busy handler; the
+                # first write statement either takes the lock or reports BUSY / BUSY_SNAPSHOT.
+                conn.execute("INSERT INTO kv (k, v) SELECT k, v FROM kv WHERE 0")
+                return conn
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+    def _apply(self, conn: sqlite3.Connection) -> None:
+        for begin, end in self._buf.cleared:
+            conn.execute("DELETE FROM kv WHERE k >= ? AND k < ?", (begin, end))
+        upserts, deletes = [], []
+        for key, w in self._buf.writes.items():
+            if isinstance(w, Atomic):
+                row = conn.execute("SELECT v FROM kv WHERE k = ?", (key,)).fetchone()
+                w = w.apply(None if row is None else bytes(row[0]))
+            if w is None:
+                deletes.append((key,))
+            else:
+                upserts.append((key, w))
+        conn.executemany("DELETE FROM kv WHERE k = ?", deletes)
+        conn.executemany("INSERT OR REPLACE INTO kv (k, v) VALUES (?, ?)", upserts)

@@ -1,0 +1,368 @@
+"""One conformance suite for every KV engine (FoundationDB skips where it cannot run)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
+from meta.kv import FdbDatabase, SqliteDatabase, Transaction, open_database, transactional
+from meta.kv.fdb_engine import load_fdb
+from meta.kv.keys import decode_int, encode_int, key_after, pack, prefix_range, unpack
+
+
+def _fdb_database() -> FdbDatabase:
+    """A real cluster if this host has one; otherwise skip and say what is missing."""
+    try:
+        load_fdb()
+    except KvfsError as exc:
+        pytest.skip(f"FoundationDB: {exc}")
+    cluster = os.environ.get("KVFS_FDB_CLUSTER_FILE", "/etc/foundationdb/fdb.cluster")
+    if not os.path.exists(cluster):
+        pytest.skip(f"FoundationDB: no cluster file at {cluster} (set KVFS_FDB_CLUSTER_FILE)")
+    return FdbDatabase(cluster)
+
+
+@pytest.fixture(params=["sqlite", "fdb"])
+def db(request, tmp_path):
+    if request.param == "sqlite":
+        database = SqliteDatabase(str(tmp_path / "kv.db"), max_bytes=100_000, max_age_s=1.0)
+    else:
+        database = _fdb_database()
+    database.run(lambda tr: tr.clear_range(*prefix_range("kvtest")))
+    yield database
+    database.close()
+
+
+def k(*parts) -> bytes:
+    return pack("kvtest", *parts)
+
+
+ALL = prefix_range("kvtest")
+
+
+def put(db, items: dict[bytes, bytes]) -> None:
+    def fn(tr: Transaction) -> None:
+        for key, value in items.items():
+            tr.set(key, value)
+
+    db.run(fn)
+
+
+def test_keys_roundtrip_and_order():
+    assert unpack(pack("meta", 3, b"x")) == ("meta", 3, b"x")
+    begin, end = prefix_range("meta", 3)
+    assert begin < pack("meta", 3, b"") < pack("meta", 3, b"\xff" * 9) < end
+    assert pack("meta", 3) < key_after(pack("meta", 3)) < pack("meta", 3, b"")
+    assert decode_int(encode_int(-5)) == -5 and decode_int(None) == 0
+
+
+def test_set_get_clear(db):
+    put(db, {k(1): b"one", k(2): b"two"})
+    tr = db.create_transaction()
+    assert tr.get(k(1)) == b"one" and tr.get(k(3)) is None
+    tr.clear(k(1))
+    assert tr.get(k(1)) is None
+    tr.commit()
+    assert db.run(lambda tr: tr.get(k(1))) is None
+    assert db.run(lambda tr: tr.get(k(2))) == b"two"
+
+
+def test_ryw_range_merging_limit_reverse(db):
+    put(db, {k(i): b"db%d" % i for i in range(0, 10, 2)})  # 0 2 4 6 8
+
+    def fn(tr: Transaction):
+        tr.set(k(3), b"mine3")
+        tr.set(k(4), b"mine4")
+        tr.clear(k(6))
+        tr.set(k(9), b"mine9")
+        full = tr.get_range(*ALL)
+        return (
+            full,
+            tr.get_range(*ALL, limit=3),
+            tr.get_range(*ALL, limit=3, reverse=True),
+            tr.get_range(k(3), k(8)),
+        )
+
+    full, first3, last3, middle = db.run(fn)
+    assert [(unpack(a)[1], b) for a, b in full] == [
+        (0, b"db0"), (2, b"db2"), (3, b"mine3"), (4, b"mine4"), (8, b"db8"), (9, b"mine9")
+    ]
+    assert first3 == full[:3]
+    assert last3 == full[::-1][:3]
+    assert [unpack(a)[1] for a, _ in middle] == [3, 4]
+
+
+def test_clear_range_then_set(db):
+    put(db, {k(i): b"v" for i in range(6)})
+
+    def fn(tr: Transaction):
+        tr.set(k(2), b"before")
+        tr.clear_range(k(1), k(4))
+        tr.set(k(3), b"after")
+        tr.add(k(2), 7)  # base is known cleared: 0 + 7
+        return tr.get_range(*ALL)
+
+    inside = db.run(fn)
+    outside = db.run(lambda tr: tr.get_range(*ALL))
+    assert inside == outside
+    assert [(unpack(a)[1], b) for a, b in outside] == [
+        (0, b"v"), (2, encode_int(7)), (3, b"after"), (4, b"v"), (5, b"v")
+    ]
+
+
+def test_atomic_add_max(db):
+    db.run(lambda tr: tr.set(k("n"), encode_int(10)))
+
+    def fn(tr: Transaction):
+        tr.add(k("n"), 5)
+        tr.add(k("n"), -3)
+        tr.max(k("m"), 4)
+        tr.max(k("m"), 2)
+        return decode_int(tr.get(k("n"))), decode_int(tr.get(k("m")))
+
+    assert db.run(fn) == (12, 4)
+    assert decode_int(db.run(lambda tr: tr.get(k("n")))) == 12
+    db.run(lambda tr: tr.max(k("n"), 100))
+    assert decode_int(db.run(lambda tr: tr.get(k("n")))) == 100
+
+
+def test_atomic_ops_do_not_conflict(db):
+    a, b = db.create_transaction(), db.create_transaction()
+    a.add(k("c"), 1)
+    b.add(k("c"), 1)
+    a.commit()
+    b.commit()
+    assert decode_int(db.run(lambda tr: tr.get(k("c")))) == 2
+
+
+def test_conflict_between_two_transactions(db):
+    db.run(lambda tr: tr.set(k("x"), b"0"))
+    a, b = db.create_transaction(), db.create_transaction()
+    assert a.get(k("x")) == b"0" and b.get(k("x")) == b"0"
+    a.set(k("x"), b"a")
+    b.set(k("x"), b"b")
+    a.commit()
+    with pytest.raises(TransactionConflict):
+        b.commit()
+    assert db.run(lambda tr: tr.get(k("x"))) == b"a"
+
+
+def test_snapshot_reads_do_not_conflict(db):
+    db.run(lambda tr: tr.set(k("x"), b"0"))
+    a, b = db.create_transaction(), db.create_transaction()
+    assert b.get(k("x"), snapshot=True) == b"0"
+    assert b.get_range(*ALL, snapshot=True) == [(k("x"), b"0")]
+    a.get(k("x"))
+    a.set(k("x"), b"a")
+    a.commit()
+    b.set(k("y"), b"b")
+    b.commit()
+    assert db.run(lambda tr: tr.get_range(*ALL)) == [(k("x"), b"a"), (k("y"), b"b")]
+
+
+def test_read_only_transaction_commits(db):
+    tr = db.create_transaction()
+    tr.get(k("nothing"))
+    tr.commit()
+
+
+def test_too_large(db):
+    if isinstance(db, SqliteDatabase):
+        limit = db.max_bytes
+    else:
+        limit = 10_000_000
+    tr = db.create_transaction()
+    with pytest.raises(TransactionTooLarge):
+        for i in range(limit // 50_000 + 2):
+            tr.set(k("big", i), b"x" * 50_000)
+        tr.commit()
+
+
+def test_too_old(db):
+    if not isinstance(db, SqliteDatabase):
+        pytest.skip("FoundationDB's 5 s limit is too slow for this suite")
+    tr = db.create_transaction()
+    tr.get(k("x"))
+    time.sleep(db.max_age_s + 0.05)
+    with pytest.raises(TransactionTooOld):
+        tr.get(k("x"))
+        tr.commit()
+
+
+def test_cancel_drops_writes(db):
+    tr = db.create_transaction()
+    tr.set(k("x"), b"1")
+    tr.cancel()
+    assert db.run(lambda tr: tr.get(k("x"))) is None
+
+
+def test_run_retries_on_conflict_and_reraises_others(db):
+    db.run(lambda tr: tr.set(k("x"), b"0"))
+    calls = []
+
+    def fn(tr: Transaction):
+        calls.append(1)
+        value = tr.get(k("x"))
+        if len(calls) == 1:  # someone else commits between our read and our commit
+            db.run(lambda other: other.set(k("x"), b"other"))
+        tr.set(k("x"), value + b"!")
+        return value
+
+    assert db.run(fn) == b"other"
+    assert len(calls) == 2
+    assert db.run(lambda tr: tr.get(k("x"))) == b"other!"
+
+    def boom(tr: Transaction):
+        tr.set(k("y"), b"1")
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        db.run(boom)
+    assert db.run(lambda tr: tr.get(k("y"))) is None
+
+
+def test_transactional_decorator(db):
+    @transactional
+    def incr(tr: Transaction, key: bytes) -> int:
+        value = decode_int(tr.get(key)) + 1
+        tr.set(key, encode_int(value))
+        return value
+
+    @transactional
+    def incr_twice(tr: Transaction, key: bytes) -> int:
+        incr(tr, key)
+        return incr(tr, key)
+
+    assert incr(db, k("c")) == 1
+    assert incr_twice(db, k("c")) == 3
+
+
+def test_threads_increment_exactly(db):
+    def incr(tr: Transaction):
+        tr.set(k("c"), encode_int(decode_int(tr.get(k("c"))) + 1))
+
+    def worker():
+        for _ in range(20):
+            db.run(incr)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert decode_int(db.run(lambda tr: tr.get(k("c")))) == 80
+
+
+def _process_increments(path: str, n: int) -> None:
+    db = SqliteDatabase(path)
+
+    def incr(tr: Transaction):
+        tr.set(k("c"), encode_int(decode_int(tr.get(k("c"))) + 1))  # read-modify-write: conflicts
+
+    for _ in range(n):
+        db.run(incr)
+    db.close()
+
+
+def test_sqlite_processes_increment_exactly(tmp_path):
+    path = str(tmp_path / "shared.db")
+    SqliteDatabase(path).close()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_process_increments, args=(path, 150)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    db = SqliteDatabase(path)
+    assert decode_int(db.run(lambda tr: tr.get(k("c")))) == 300
+
+
+def test_open_database(tmp_path):
+    db = open_database(f"sqlite://{tmp_path}/x.db")
+    assert isinstance(db, SqliteDatabase) and db.path == f"{tmp_path}/x.db"
+    db.close()
+    with pytest.raises(KvfsError):
+        open_database("nope://x")
+    try:
+        open_database(f"fdb://{tmp_path}/missing.cluster")
+    except KvfsError as exc:  # no libfdb_c here, or no such cluster file: either is named
+        assert "libfdb_c" in str(exc) or "cluster file" in str(exc)
+
+
+# --- model-based check: a transaction's view equals a dict with the same operations -----------
+
+_keys = st.integers(0, 15)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), _keys, st.binary(max_size=3)),
+        st.tuples(st.just("clear"), _keys),
+        st.tuples(st.just("clear_range"), _keys, _keys),
+        st.tuples(st.just("add"), _keys, st.integers(-5, 5)),
+        st.tuples(st.just("max"), _keys, st.integers(0, 9)),
+    ),
+    max_size=12,
+)
+
+
+def _model_apply(model: dict[int, bytes], op) -> None:
+    from meta.kv.buffer import apply_atomic
+
+    if op[0] == "set":
+        model[op[1]] = op[2]
+    elif op[0] == "clear":
+        model.pop(op[1], None)
+    elif op[0] == "clear_range":
+        for key in [x for x in model if op[1] <= x < op[2]]:
+            del model[key]
+    else:
+        model[op[1]] = apply_atomic(op[0], model.get(op[1]), op[2])
+
+
+def _tr_apply(tr: Transaction, op) -> None:
+    if op[0] in ("set", "add", "max"):
+        getattr(tr, op[0])(k(op[1]), *op[2:])
+    elif op[0] == "clear":
+        tr.clear(k(op[1]))
+    else:
+        tr.clear_range(k(op[1]), k(op[2]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(before=_ops, during=_ops, begin=_keys, end=_keys, limit=st.integers(0, 4), reverse=st.booleans())
+def test_model(db, before, during, begin, end, limit, reverse):
+    db.run(lambda tr: tr.clear_range(*ALL))
+    model: dict[int, bytes] = {}
+
+    def apply_all(tr: Transaction, ops) -> None:
+        for op in ops:
+            _tr_apply(tr, op)
+
+    for op in before:
+        _model_apply(model, op)
+    db.run(apply_all, before)
+    for op in during:
+        _model_apply(model, op)
+    expect = sorted((key, v) for key, v in model.items() if begin <= key < end)
+    if reverse:
+        expect.reverse()
+    if limit:
+        expect = expect[:limit]
+
+    def view(tr: Transaction):
+        apply_all(tr, during)
+        rows = tr.get_range(k(begin), k(end), limit=limit, reverse=reverse)
+        return rows, {key: tr.get(k(key)) for key in range(16)}
+
+    rows, point = db.run(view)
+    assert [(unpack(a)[1], b) for a, b in rows] == expect
+    assert point == {key: model.get(key) for key in range(16)}
+    stored = db.run(lambda tr: tr.get_range(*ALL))
+    assert [(unpack(a)[1], b) for a, b in stored] == sorted(model.items())
