@@ -1,0 +1,220 @@
+"""Behaviour of the chunk engine of one storage target (chunkserver/engine.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from crc32c import crc32c
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
+from kvfs.errors import ChecksumMismatch, KvfsError
+
+CS = 1 << 20
+C = ChunkId(7, 0)
+
+
+@pytest.fixture
+def eng(tmp_path: Path):
+    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+        yield e
+
+
+def put(e: ChunkEngine, cid: ChunkId, version: int, offset: int, data: bytes, **kw) -> None:
+    e.write_pending(cid, version, offset, data, crc32c(data), chunk_size=CS, **kw)
+    e.commit(cid, version)
+
+
+def content(e: ChunkEngine, cid: ChunkId, **kw) -> bytes:
+    return bytes(e.read(cid, 0, CS, **kw)[0])
+
+
+def test_round_trip_partial_reads_and_readinto(eng: ChunkEngine) -> None:
+    data = os.urandom(3 * BLOCK + 123)
+    put(eng, C, 1, 0, data, full_replace=True)
+    m = eng.meta(C)
+    assert (m.version, m.length, m.crc, m.pending_version) == (1, len(data), crc32c(data), None)
+    for off, n in [(0, len(data)), (5, 10), (BLOCK - 3, 7), (BLOCK, BLOCK), (len(data) - 5, 100), (len(data), 9)]:
+        buf = bytearray(n)
+        count, _ = eng.read(C, off, n, into=memoryview(buf))
+        assert bytes(buf[:count]) == data[off : off + n]
+        assert bytes(eng.read(C, off, n)[0]) == data[off : off + n]
+
+
+def test_copy_on_write_pending_invisible_until_commit(eng: ChunkEngine) -> None:
+    put(eng, C, 1, 0, b"a" * 200_000)
+    m = eng.write_pending(C, 2, 100_000, b"b" * 150_000, crc32c(b"b" * 150_000), chunk_size=CS)
+    new = b"a" * 100_000 + b"b" * 150_000
+    assert (m.version, m.length, m.crc, m.committed_version, m.pending_version) == (2, 250_000, crc32c(new), 1, 2)
+    assert content(eng, C) == b"a" * 200_000
+    assert content(eng, C, version=2) == new
+    assert eng.meta(C).pending_version == 2
+    eng.commit(C, 2)
+    assert content(eng, C) == new
+    assert eng.meta(C).version == 2 and eng.meta(C).pending_version is None
+    eng.write_pending(C, 3, 0, b"c", crc32c(b"c"), chunk_size=CS)
+    eng.abort(C, 3)
+    assert content(eng, C) == new and eng.meta(C).pending_version is None
+
+
+def test_write_past_end_zero_fills_and_stale_version_refused(eng: ChunkEngine) -> None:
+    put(eng, C, 1, 0, b"x" * 10)
+    put(eng, C, 2, 2 * BLOCK + 5, b"y")
+    assert content(eng, C) == b"x" * 10 + bytes(2 * BLOCK - 5) + b"y"
+    with pytest.raises(StaleVersion):
+        eng.write_pending(C, 2, 0, b"z", crc32c(b"z"), chunk_size=CS)
+    with pytest.raises(KvfsError) as ei:
+        eng.write_pending(C, 3, CS - 1, b"zz", crc32c(b"zz"), chunk_size=CS)
+    assert ei.value.errno == errno.EINVAL
+
+
+def test_retransmit_is_idempotent(eng: ChunkEngine) -> None:
+    d = os.urandom(5000)
+    m1 = eng.write_pending(C, 1, 0, d, crc32c(d), chunk_size=CS)
+    used = eng.space()[1]
+    assert eng.write_pending(C, 1, 0, d, crc32c(d), chunk_size=CS) == m1
+    assert eng.space()[1] == used
+    eng.commit(C, 1)
+    assert eng.commit(C, 1).version == 1
+    assert eng.write_pending(C, 1, 0, d, crc32c(d), chunk_size=CS).version == 1
+    assert content(eng, C) == d
+
+
+def test_crc_mismatch_refused_and_old_data_kept(eng: ChunkEngine) -> None:
+    put(eng, C, 1, 0, b"old")
+    with pytest.raises(ChecksumMismatch) as ei:
+        eng.write_pending(C, 2, 0, b"new", crc32c(b"new") ^ 1, chunk_size=CS)
+    assert ei.value.errno == errno.EBADMSG
+    assert content(eng, C) == b"old" and eng.meta(C).pending_version is None
+
+
+def test_enospc_leaves_old_data(tmp_path: Path) -> None:
+    with ChunkEngine(tmp_path, fsync=False, capacity_bytes=3 * BLOCK) as e:
+        put(e, C, 1, 0, b"1" * BLOCK)
+        put(e, ChunkId(7, 1), 1, 0, b"2" * BLOCK)
+        with pytest.raises(KvfsError) as ei:
+            e.write_pending(C, 2, 0, b"3" * 2 * BLOCK, crc32c(b"3" * 2 * BLOCK), chunk_size=CS)
+        assert ei.value.errno == errno.ENOSPC
+        assert content(e, C) == b"1" * BLOCK and e.meta(C).pending_version is None
+        put(e, C, 2, 0, b"4")  # one 64 KiB slot is still free for the copy-on-write
+        assert content(e, C) == b"4" + b"1" * (BLOCK - 1)
+        assert e.space() == (3 * BLOCK, 2 * BLOCK, BLOCK)
+
+
+def test_corruption_detected_then_repaired(eng: ChunkEngine) -> None:
+    data = os.urandom(4 * BLOCK)
+    put(eng, C, 1, 0, data)
+    path, off, length, version = eng.local_location(C)
+    with open(path, "r+b") as f:
+        f.seek(off + 2 * BLOCK + 17)
+        f.write(bytes([data[2 * BLOCK + 17] ^ 0xFF]))
+    assert bytes(eng.read(C, 0, BLOCK)[0]) == data[:BLOCK]  # untouched blocks stay readable
+    with pytest.raises(ChecksumMismatch):
+        eng.read(C, 2 * BLOCK + 100, 10)
+    with pytest.raises(ChecksumMismatch):  # a partial overwrite must not launder the bad block
+        eng.write_pending(C, 2, 2 * BLOCK, b"z", crc32c(b"z"), chunk_size=CS)
+    eng.replace_full(C, 5, data, crc32c(data))
+    assert content(eng, C) == data and eng.meta(C).version == 5
+
+
+def test_list_remove_truncate(eng: ChunkEngine) -> None:
+    for i in range(3):
+        put(eng, ChunkId(1, i), 1, 0, b"a" * (i + 1))
+    put(eng, ChunkId(2, 0), 1, 0, b"b")
+    assert [(m.chunk_id, m.length) for m in eng.list_chunks(1)] == [(ChunkId(1, i), i + 1) for i in range(3)]
+    assert len(list(eng.list_chunks())) == 4
+    assert eng.remove(ChunkId(1, 1)) and not eng.remove(ChunkId(1, 1))
+    assert eng.meta(ChunkId(1, 1)) is None and eng.local_location(ChunkId(1, 1)) is None
+    with pytest.raises(KvfsError) as ei:
+        eng.read(ChunkId(1, 1), 0, 1)
+    assert ei.value.errno == errno.ENOENT
+    assert eng.remove_file(1) == 2 and list(eng.list_chunks(1)) == []
+    put(eng, C, 1, 0, os.urandom(3 * BLOCK))
+    before = content(eng, C)
+    m = eng.truncate(C, BLOCK + 10, 2)
+    assert content(eng, C) == before[: BLOCK + 10] and m.crc == crc32c(before[: BLOCK + 10])
+    eng.truncate(C, 2 * BLOCK, 3)
+    assert content(eng, C) == before[: BLOCK + 10] + bytes(BLOCK - 10)
+    assert eng.space()[1] == 2 * BLOCK + BLOCK  # C now in a 128 KiB slot, ChunkId(2, 0) in 64 KiB
+
+
+def test_reopen_keeps_committed_and_pending(tmp_path: Path) -> None:
+    with ChunkEngine(tmp_path) as e:
+        put(e, C, 1, 0, b"committed")
+        e.write_pending(C, 2, 0, b"PENDING", crc32c(b"PENDING"), chunk_size=CS)
+        with pytest.raises(KvfsError) as ei:
+            ChunkEngine(tmp_path)
+        assert ei.value.errno == errno.EBUSY
+        used = e.space()[1]
+    with ChunkEngine(tmp_path) as e:
+        assert content(e, C) == b"committed"
+        assert e.meta(C).pending_version == 2 and content(e, C, version=2) == b"PENDINGed"
+        assert e.space()[1] == used
+        e.commit(C, 2)
+        assert content(e, C) == b"PENDINGed"
+
+
+def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
+    """A read racing with commits must never see a freed slot reused by a newer version."""
+    put(eng, C, 1, 0, bytes([1]) * 8 * BLOCK)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                data = bytes(eng.read(C, 0, CS)[0])
+                assert data == bytes([data[0]]) * len(data)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for v in range(2, 60):
+        put(eng, C, v, 0, bytes([v]) * 8 * BLOCK, full_replace=True)
+    stop.set()
+    t.join()
+    assert not errors
+
+
+@given(st.binary(max_size=3 * BLOCK + 7), st.binary(max_size=BLOCK + 3))
+@settings(max_examples=50, deadline=None)
+def test_fold_crc_equals_whole_crc(a: bytes, b: bytes) -> None:
+    data = a + b
+    blocks = [crc32c(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    assert fold_crc(blocks, len(data)) == crc32c(data)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["write", "full", "trunc", "abort"]),
+                          st.integers(0, 4 * BLOCK), st.integers(0, 2 * BLOCK + 5)), max_size=12))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_matches_bytearray_model(tmp_path: Path, ops: list[tuple[str, int, int]]) -> None:
+    """Random writes, replaces, truncates and aborts behave like edits of a bytearray."""
+    root = tmp_path / os.urandom(4).hex()
+    model = bytearray()
+    with ChunkEngine(root, fsync=False) as e:
+        for version, (op, off, n) in enumerate(ops, start=1):
+            data = bytes([version]) * n
+            if op == "trunc":
+                e.truncate(C, off, version)
+                model = model[:off] + bytes(max(0, off - len(model)))
+                continue
+            m = e.write_pending(C, version, 0 if op == "full" else off, data, crc32c(data),
+                                full_replace=op == "full", chunk_size=CS)
+            if op == "abort":
+                e.abort(C, version)
+                continue
+            e.commit(C, version)
+            if op == "full":
+                model = bytearray(data)
+            else:
+                model.extend(bytes(max(0, off + n - len(model))))
+                model[off : off + n] = data
+            assert m.crc == crc32c(model) and m.length == len(model)
+        if ops and e.meta(C) is not None:
+            assert content(e, C) == bytes(model)
