@@ -1,0 +1,130 @@
+"""Kill -9 a process that writes chunk versions at random instants; every reopen must find each
+chunk at exactly one complete committed version, never older than the last one it reported.
+
+Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from crc32c import crc32c
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, _class_for  # noqa: E402
+
+CHUNKS = [ChunkId(3, i) for i in range(4)]
+CS = 1 << 20
+
+
+def op(k: int, v: int) -> tuple[str, int, int]:
+    """The write that makes version ``v`` of chunk ``k``: the same in the child and the checker."""
+    rng = random.Random(f"{k}:{v}")
+    kind = rng.choice(["full", "write", "write", "trunc"])
+    if kind == "write":
+        return kind, rng.randrange(0, 5 * BLOCK), rng.randrange(1, 2 * BLOCK)
+    return kind, 0, rng.randrange(0, 5 * BLOCK)
+
+
+def payload(v: int, n: int) -> bytes:
+    return bytes([v % 251 + 1]) * n  # never 0, so zero fill is told apart
+
+
+def apply(k: int, v: int, old: bytes) -> bytes:
+    kind, off, n = op(k, v)
+    if kind == "full":
+        return payload(v, n)
+    if kind == "trunc":
+        return old[:n] + bytes(max(0, n - len(old)))
+    new = bytearray(old) + bytes(max(0, off + n - len(old)))
+    new[off : off + n] = payload(v, n)
+    return bytes(new)
+
+
+def child(root: Path) -> None:
+    e = ChunkEngine(root)
+    for cid in CHUNKS:  # resolve leftovers from the last crash the way a replication layer may
+        m = e.meta(cid)
+        if m is not None and m.pending_version is not None:
+            e.abort(cid, m.pending_version)
+    while True:
+        for k, cid in enumerate(CHUNKS):
+            m = e.meta(cid)
+            v = (m.version if m else 0) + 1
+            kind, off, n = op(k, v)
+            if kind == "trunc":
+                e.truncate(cid, n, v)
+            else:
+                data = payload(v, n)
+                e.write_pending(cid, v, off, data, crc32c(data), full_replace=kind == "full", chunk_size=CS)
+                e.commit(cid, v)
+            print(k, v, flush=True)
+
+
+class Model:
+    def __init__(self) -> None:
+        self.versions = {k: [b""] for k in range(len(CHUNKS))}
+
+    def content(self, k: int, v: int) -> bytes:
+        history = self.versions[k]
+        while len(history) <= v:
+            history.append(apply(k, len(history), history[-1]))
+        return history[v]
+
+
+def check(root: Path, reported: dict[int, int], model: Model) -> None:
+    with ChunkEngine(root, fsync=False) as e:
+        used = 0
+        for k, cid in enumerate(CHUNKS):
+            m = e.meta(cid)
+            if m is None:
+                assert reported.get(k, 0) == 0
+                continue
+            assert m.version >= reported.get(k, 0), (k, m, reported)
+            want = model.content(k, m.version)
+            got = bytes(e.read(cid, 0, CS)[0]) if m.version else b""
+            assert got == want and (m.length, m.crc) == (len(want), crc32c(want)), (k, m)
+            used += (1 << _class_for(m.length)) if m.version else 0
+            if m.pending_version is not None:
+                assert m.pending_version == m.version + 1, m
+                want = model.content(k, m.pending_version)
+                assert bytes(e.read(cid, 0, CS, version=m.pending_version)[0]) == want
+                used += 1 << _class_for(len(want))
+        assert e.space()[1] == used  # no slot leaked or double-booked
+
+
+def test_sigkill_at_random_instants(tmp_path: Path) -> None:
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    model, reported, commits = Model(), {}, 0
+    deadline = time.monotonic() + 40
+    for _ in range(20):
+        if time.monotonic() > deadline:
+            break
+        proc = subprocess.Popen([sys.executable, __file__, str(tmp_path)], stdout=subprocess.PIPE)
+        lines: list[bytes] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
+        reader.start()
+        time.sleep(rng.uniform(0.1, 0.8))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        reader.join()
+        for line in lines:
+            if line.endswith(b"\n"):
+                k, v = map(int, line.split())
+                reported[k] = v
+                commits += 1
+        check(tmp_path, reported, model)
+    assert commits > 0
+
+
+if __name__ == "__main__":
+    child(Path(sys.argv[1]))
