@@ -472,9 +472,9 @@ class ChunkEngine:
         """Make pending ``version`` the committed one (atomic); idempotent once it is committed."""
         with self._db_lock:
             entry = self._entry(chunk_id)
-            if entry is not None and entry.committed is not None and entry.committed.version == version:
-                return self._meta(chunk_id, entry.committed, entry)
             if entry is None or entry.pending is None or entry.pending.version != version:
+                if entry is not None and entry.committed is not None and entry.committed.version == version:
+                    return self._meta(chunk_id, entry.committed, entry)
                 raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
             key = (chunk_id.inode, chunk_id.index)
             self._execute(

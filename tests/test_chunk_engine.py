@@ -118,8 +118,9 @@ def test_corruption_detected_then_repaired(eng: ChunkEngine) -> None:
         eng.read(C, 2 * BLOCK + 100, 10)
     with pytest.raises(ChecksumMismatch):  # a partial overwrite must not launder the bad block
         eng.write_pending(C, 2, 2 * BLOCK, b"z", crc32c(b"z"), chunk_size=CS)
-    eng.replace_full(C, 5, data, crc32c(data))
-    assert content(eng, C) == data and eng.meta(C).version == 5
+    eng.replace_full(C, 1, data, crc32c(data))  # repair keeps the version
+    assert content(eng, C) == data and eng.meta(C).version == 1
+    assert eng.space()[1] == 4 * BLOCK  # the corrupt copy's slot was freed
 
 
 def test_list_remove_truncate(eng: ChunkEngine) -> None:
