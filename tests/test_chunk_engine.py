@@ -219,3 +219,39 @@ def test_matches_bytearray_model(tmp_path: Path, ops: list[tuple[str, int, int]]
             assert m.crc == crc32c(model) and m.length == len(model)
         if ops and e.meta(C) is not None:
             assert content(e, C) == bytes(model)
+
+
+def test_full_disk_and_oversized_chunk_refused(eng: ChunkEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    put(eng, C, 1, 0, b"old")
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    used = eng.space()[1]
+    with pytest.raises(KvfsError) as ei:  # needs a fresh 128 KiB slot, so the file must grow
+        eng.write_pending(C, 2, 0, b"n" * 2 * BLOCK, crc32c(b"n" * 2 * BLOCK), chunk_size=CS)
+    assert ei.value.errno == errno.ENOSPC
+    assert content(eng, C) == b"old" and eng.space()[1] == used
+    with pytest.raises(KvfsError) as ei:
+        eng.write_pending(C, 2, 64 << 20, b"x", crc32c(b"x"), chunk_size=128 << 20)
+    assert ei.value.errno == errno.EINVAL
+
+
+def test_concurrent_writers_on_distinct_chunks(eng: ChunkEngine) -> None:
+    def worker(i: int) -> None:
+        for v in range(1, 20):
+            put(eng, ChunkId(9, i), v, (v * 4099) % (3 * BLOCK), bytes([v]) * 5000)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expect = bytearray()
+    for v in range(1, 20):
+        off = (v * 4099) % (3 * BLOCK)
+        expect.extend(bytes(max(0, off + 5000 - len(expect))))
+        expect[off : off + 5000] = bytes([v]) * 5000
+    for i in range(4):
+        assert content(eng, ChunkId(9, i)) == expect and eng.meta(ChunkId(9, i)).crc == crc32c(expect)
