@@ -521,11 +521,10 @@ class ChunkEngine:
         version and ChecksumMismatch for corrupt data (serve from another replica, then repair)."""
         with self._lock:
             entry = self._entry(chunk_id)
-            v = None
-            if entry is not None:
-                v = next((x for x in (entry.committed, entry.pending)
-                          if x is not None and (x.version == version if version is not None else x is entry.committed)),
-                         None)
+            candidates = () if entry is None else (entry.committed, entry.pending)
+            if version is None:
+                candidates = candidates[:1]
+            v = next((x for x in candidates if x is not None and version in (None, x.version)), None)
             if v is None:
                 raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
                                 errno.ENOENT)
