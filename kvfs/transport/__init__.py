@@ -1,0 +1,27 @@
+"""Bulk-data transports: TCP always, RDMA (pyverbs, imported lazily) when both ends have a device.
+
+See README.md in this package for what is ready and what integration into ``kvfs.rpc`` remains.
+"""
+
+from kvfs.transport.buffers import BufferPool, LocalSge, RemoteBuffer, Slab
+from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable, UnregisteredMemory
+from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
+from kvfs.transport.select import RdmaAvailability, TransportMode, choose_transport, detect_rdma
+
+__all__ = [
+    "RDMA_CONNECT",
+    "BufferExhausted",
+    "BufferPool",
+    "LocalSge",
+    "RdmaAccept",
+    "RdmaAvailability",
+    "RdmaError",
+    "RdmaOffer",
+    "RdmaUnavailable",
+    "RemoteBuffer",
+    "Slab",
+    "TransportMode",
+    "UnregisteredMemory",
+    "choose_transport",
+    "detect_rdma",
+]
