@@ -1,0 +1,60 @@
+"""The metadata key schema (all keys are ``fdb.tuple`` tuples under the ``"meta"`` namespace).
+
+=============================  ==========================================================
+key                            value
+=============================  ==========================================================
+("meta", "format")             b"1": the store was formatted (root exists)
+("meta", "i", ino)             Inode (msgpack): attributes, dir parent, layout, symlink target
+("meta", "d", parent, name)    DirEntry (msgpack [ino, type]); one range read lists a dir
+("meta", "x", ino, name)       xattr value
+("meta", "s", ino, session)    Session (msgpack): a write-open session
+("meta", "g", ino)             b"": inode whose last link is gone, waiting for chunk GC
+("meta", "c", shard)           int64 LE: id blocks handed out by this allocator shard
+("meta", "n", "inodes")        int64 LE, atomic add: live inode count for statfs
+=============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from meta.kv.keys import pack, prefix_range
+
+NS = "meta"
+FORMAT = pack(NS, "format")
+INODE_COUNT = pack(NS, "n", "inodes")
+GC_RANGE = prefix_range(NS, "g")
+
+
+def inode(ino: int) -> bytes:
+    return pack(NS, "i", ino)
+
+
+def dentry(parent: int, name: bytes) -> bytes:
+    return pack(NS, "d", parent, name)
+
+
+def dir_range(parent: int) -> tuple[bytes, bytes]:
+    return prefix_range(NS, "d", parent)
+
+
+def xattr(ino: int, name: bytes) -> bytes:
+    return pack(NS, "x", ino, name)
+
+
+def xattr_range(ino: int) -> tuple[bytes, bytes]:
+    return prefix_range(NS, "x", ino)
+
+
+def session(ino: int, sid: int) -> bytes:
+    return pack(NS, "s", ino, sid)
+
+
+def session_range(ino: int) -> tuple[bytes, bytes]:
+    return prefix_range(NS, "s", ino)
+
+
+def gc(ino: int) -> bytes:
+    return pack(NS, "g", ino)
+
+
+def counter(shard: int) -> bytes:
+    return pack(NS, "c", shard)

@@ -1,0 +1,816 @@
+"""POSIX metadata over the transactional KV store: one KV transaction per operation.
+
+Methods are synchronous: the RPC service calls them through ``trio.to_thread.run_sync``.  Each
+takes the :class:`Caller` first, checks POSIX permissions for it and raises :class:`KvfsError`
+with the errno a kernel would give.  Operations are inode based like FUSE's low-level API
+(``parent`` inode + ``name``); :meth:`MetaStore.resolve` walks whole paths for callers that
+bypass the kernel.  Names are bytes (any byte but ``/`` and NUL); ``str`` is accepted and
+encoded with UTF-8/surrogateescape like ``os.fsencode``.
+
+readdir returns real entries only: "." and ".." are the FUSE layer's business.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import secrets
+import stat
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+
+from kvfs.errors import KvfsError
+
+from . import schema
+from .chunks import ChunkRemover
+from .kv import Database, Transaction
+from .kv.keys import decode_int, encode_int, key_after, unpack
+from .types import Attr, Caller, DirEntry, DirPage, Entry, Inode, Layout, Opened, Session, StatFs, TimeSpec
+
+ROOT_INO = 1
+NAME_MAX = 255
+PATH_MAX = 4096
+LINK_MAX = 65000  # ext4's limit
+SYMLOOP_MAX = 40
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 64 * 1024
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+ID_SHARDS = 16  # fixed forever: together with ID_BLOCK it defines which ids a shard owns
+ID_BLOCK = 1024
+_FIRST_ID = ROOT_INO + 1
+R_OK, W_OK, X_OK = 4, 2, 1
+_KILL_SUID = stat.S_ISUID | stat.S_ISGID
+
+_enc = msgspec.msgpack.Encoder()
+_dec_inode = msgspec.msgpack.Decoder(Inode)
+_dec_entry = msgspec.msgpack.Decoder(DirEntry)
+
+SpaceFn = Callable[[], tuple[int, int]]
+
+
+def _err(code: int, what: str = "") -> KvfsError:
+    text = os.strerror(code)
+    return KvfsError(f"{text}: {what}" if what else text, code)
+
+
+def _fsname(name: bytes | str) -> bytes:
+    return os.fsencode(name) if isinstance(name, str) else bytes(name)
+
+
+def _check_name(name: bytes | str) -> bytes:
+    """A name an entry may be created or removed under."""
+    raw = _fsname(name)
+    if not raw or b"/" in raw or b"\0" in raw or raw in (b".", b".."):
+        raise _err(errno.EINVAL, repr(raw))
+    if len(raw) > NAME_MAX:
+        raise _err(errno.ENAMETOOLONG, repr(raw[:32]))
+    return raw
+
+
+def _blocks(size: int) -> int:
+    return (size + 511) // 512
+
+
+def _is_dir(inode: Inode) -> bool:
+    return stat.S_ISDIR(inode.attr.mode)
+
+
+def _kill_suid(caller: Caller, attr: Attr) -> None:
+    """What a write or truncate by an unprivileged caller does to set-id bits (Linux
+    ``file_remove_privs``): drop setuid, and setgid when group-exec is set."""
+    if caller.uid == 0 or not attr.mode & _KILL_SUID:
+        return
+    attr.mode &= ~stat.S_ISUID
+    if attr.mode & stat.S_IXGRP:
+        attr.mode &= ~stat.S_ISGID
+
+
+def _access(caller: Caller, attr: Attr, want: int) -> None:
+    """Owner/group/other permission bits; root bypasses all but exec on a non-executable file."""
+    if caller.uid == 0:
+        if want & X_OK and not stat.S_ISDIR(attr.mode) and not attr.mode & 0o111:
+            raise _err(errno.EACCES, f"inode {attr.ino} not executable")
+        return
+    if caller.uid == attr.uid:
+        bits = attr.mode >> 6
+    elif caller.in_group(attr.gid):
+        bits = attr.mode >> 3
+    else:
+        bits = attr.mode
+    if want & ~bits & 7:
+        raise _err(errno.EACCES, f"inode {attr.ino}")
+
+
+def _require_owner(caller: Caller, attr: Attr) -> None:
+    if caller.uid not in (0, attr.uid):
+        raise _err(errno.EPERM, f"not the owner of inode {attr.ino}")
+
+
+def _check_sticky(caller: Caller, directory: Inode, victim: Inode) -> None:
+    """In a sticky directory only the file's owner, the directory's owner or root may remove it."""
+    if directory.attr.mode & stat.S_ISVTX and caller.uid not in (0, directory.attr.uid, victim.attr.uid):
+        raise _err(errno.EPERM, "sticky directory")
+
+
+def _pick_time(value: TimeSpec, now: int, old: int) -> int:
+    if value is None:
+        return old
+    return now if value == "now" else int(value)
+
+
+def _open_wants(flags: int) -> int:
+    acc = flags & os.O_ACCMODE
+    return {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK}.get(acc, R_OK | W_OK)
+
+
+class MetaStore:
+    """The metadata service's logic; any number of instances may share one KV store."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        chunk_remover: ChunkRemover | None = None,
+        space: SpaceFn | None = None,
+        root_layout: Layout = Layout(),
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        """``space`` returns ``(total_bytes, free_bytes)`` for statfs (the chunk servers' capacity);
+        without it statfs reports a nominal 1 PiB, all free.  ``chunk_remover`` is needed by :meth:`gc_once`."""
+        self.db = db
+        self._remover = chunk_remover
+        self._space = space
+        self._root_layout = root_layout
+        self._clock = clock
+        self._ids: list[int] = []
+        self._id_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ records -----------
+    def _inode(self, tr: Transaction, ino: int) -> Inode:
+        raw = tr.get(schema.inode(ino))
+        if raw is None:
+            raise _err(errno.ENOENT, f"inode {ino}")
+        return _dec_inode.decode(raw)
+
+    def _live(self, tr: Transaction, ino: int) -> Inode:
+        """An inode that still has a name (unlinked-but-open files cannot gain new users)."""
+        inode = self._inode(tr, ino)
+        if inode.attr.nlink == 0:
+            raise _err(errno.ENOENT, f"inode {ino} was removed")
+        return inode
+
+    def _put(self, tr: Transaction, inode: Inode) -> None:
+        inode.attr.blocks = _blocks(inode.attr.size)
+        tr.set(schema.inode(inode.attr.ino), _enc.encode(inode))
+
+    def _dir(self, tr: Transaction, caller: Caller, ino: int, want: int = X_OK) -> Inode:
+        """A live directory the caller has ``want`` access to (search by default)."""
+        inode = self._live(tr, ino)
+        if not _is_dir(inode):
+            raise _err(errno.ENOTDIR, f"inode {ino}")
+        _access(caller, inode.attr, want)
+        return inode
+
+    def _entry(self, tr: Transaction, parent: int, name: bytes) -> DirEntry | None:
+        raw = tr.get(schema.dentry(parent, name))
+        return None if raw is None else _dec_entry.decode(raw)
+
+    def _child(self, tr: Transaction, parent: int, name: bytes) -> tuple[DirEntry, Inode]:
+        entry = self._entry(tr, parent, name)
+        if entry is None:
+            raise _err(errno.ENOENT, repr(name))
+        return entry, self._inode(tr, entry.ino)
+
+    def _link_entry(self, tr: Transaction, parent: int, name: bytes, inode: Inode) -> None:
+        tr.set(schema.dentry(parent, name), _enc.encode(DirEntry(inode.attr.ino, stat.S_IFMT(inode.attr.mode))))
+
+    def _sessions(self, tr: Transaction, ino: int, snapshot: bool = False) -> bool:
+        return bool(tr.get_range(*schema.session_range(ino), limit=1, snapshot=snapshot))
+
+    def _touch(self, *inodes: Inode, mtime: bool = True) -> None:
+        now = self._clock()
+        for inode in inodes:
+            inode.attr.ctime_ns = now
+            if mtime:
+                inode.attr.mtime_ns = now
+
+    def _drop_link(self, tr: Transaction, inode: Inode) -> None:
+        """Remove one name of ``inode``.  A regular file's last link queues it for chunk GC (the
+        record stays while write sessions are open); anything else has no chunks and goes now."""
+        inode.attr.nlink = 0 if _is_dir(inode) else inode.attr.nlink - 1
+        self._touch(inode, mtime=False)
+        if inode.attr.nlink > 0 or stat.S_ISREG(inode.attr.mode):
+            self._put(tr, inode)
+            if inode.attr.nlink == 0:
+                tr.set(schema.gc(inode.attr.ino), b"")
+            return
+        self._delete_inode(tr, inode.attr.ino)
+
+    def _delete_inode(self, tr: Transaction, ino: int) -> None:
+        tr.clear(schema.inode(ino))
+        tr.clear_range(*schema.xattr_range(ino))
+        tr.add(schema.INODE_COUNT, -1)
+
+    # ------------------------------------------------------------------ ids ---------------
+    def _next_ino(self) -> int:
+        """A never-used inode id.  Ids come in blocks of ID_BLOCK reserved in one small
+        transaction on a random one of ID_SHARDS counters, so creating instances rarely conflict;
+        block ``n`` of shard ``s`` is ids ``[2 + (n*ID_SHARDS + s)*ID_BLOCK, +ID_BLOCK)``."""
+        with self._id_lock:
+            if not self._ids:
+                start = self.db.run(self._reserve_block, random.randrange(ID_SHARDS))
+                self._ids = list(range(start + ID_BLOCK - 1, start - 1, -1))
+            return self._ids.pop()
+
+    @staticmethod
+    def _reserve_block(tr: Transaction, shard: int) -> int:
+        key = schema.counter(shard)
+        n = decode_int(tr.get(key))
+        tr.set(key, encode_int(n + 1))
+        return _FIRST_ID + (n * ID_SHARDS + shard) * ID_BLOCK
+
+    # ------------------------------------------------------------------ format ------------
+    def format(self, mode: int = 0o755, uid: int = 0, gid: int = 0) -> Attr:
+        """Create the root directory (inode 1) unless it exists; safe to call from every instance."""
+        return self.db.run(self._format, mode, uid, gid)
+
+    ensure_root = format
+
+    def _format(self, tr: Transaction, mode: int, uid: int, gid: int) -> Attr:
+        raw = tr.get(schema.inode(ROOT_INO))
+        if raw is not None:
+            return _dec_inode.decode(raw).attr
+        now = self._clock()
+        attr = Attr(ROOT_INO, stat.S_IFDIR | (mode & 0o7777), 2, uid, gid, 0, now, now, now,
+                    blksize=self._root_layout.chunk_size)
+        root = Inode(attr, parent=ROOT_INO, layout=self._root_layout)
+        self._put(tr, root)
+        tr.set(schema.FORMAT, b"1")
+        tr.add(schema.INODE_COUNT, 1)
+        return attr
+
+    # ------------------------------------------------------------------ lookups -----------
+    def lookup(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
+        return self.db.run(self._lookup, caller, parent, _fsname(name))
+
+    def _lookup(self, tr: Transaction, caller: Caller, parent: int, name: bytes) -> Attr:
+        pdir = self._dir(tr, caller, parent)
+        if name == b".":
+            return pdir.attr
+        if name == b"..":
+            return self._inode(tr, pdir.parent).attr
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, repr(name[:32]))
+        return self._child(tr, parent, name)[1].attr
+
+    def getattr(self, caller: Caller, ino: int) -> Attr:
+        """Attributes of any existing inode (stat needs no permission on the file itself)."""
+        return self.db.run(lambda tr: self._inode(tr, ino).attr)
+
+    def resolve(self, caller: Caller, path: bytes | str, *, follow: bool = True) -> Attr:
+        """Walk an absolute path from the root with search checks on every directory, following
+        symlinks in the middle (and at the end if ``follow``); ELOOP after SYMLOOP_MAX of them."""
+        return self.db.run(self._resolve, caller, _fsname(path), follow)
+
+    def _resolve(self, tr: Transaction, caller: Caller, path: bytes, follow: bool) -> Attr:
+        if len(path) > PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, "path")
+        parts = [p for p in path.split(b"/") if p]
+        cur = self._inode(tr, ROOT_INO)
+        hops = 0
+        while parts:
+            name = parts.pop(0)
+            attr = self._lookup(tr, caller, cur.attr.ino, name)
+            node = self._inode(tr, attr.ino)
+            if stat.S_ISLNK(attr.mode) and (parts or follow):
+                hops += 1
+                if hops > SYMLOOP_MAX:
+                    raise _err(errno.ELOOP, repr(path))
+                target = node.target or b""
+                parts = [p for p in target.split(b"/") if p] + parts
+                if target.startswith(b"/"):
+                    cur = self._inode(tr, ROOT_INO)
+                continue
+            cur = node
+        return cur.attr
+
+    # ------------------------------------------------------------------ setattr -----------
+    def setattr(
+        self,
+        caller: Caller,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime: TimeSpec = None,
+        mtime: TimeSpec = None,
+    ) -> Attr:
+        """chmod/chown/truncate/utimens in one.  ``None`` leaves a field alone; times take
+        nanoseconds or ``"now"``.  Only the owner (or root) may chmod or set explicit times, only
+        root may give a file away, an owner may chgrp to a group it belongs to; chown clears the
+        set-id bits of non-directories; truncate needs write permission."""
+        return self.db.run(self._setattr, caller, ino, mode, uid, gid, size, atime, mtime)
+
+    def _setattr(self, tr: Transaction, caller: Caller, ino: int, mode: int | None, uid: int | None,
+                 gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec) -> Attr:
+        inode = self._inode(tr, ino)
+        attr = inode.attr
+        now = self._clock()
+        if mode is not None:
+            _require_owner(caller, attr)
+            attr.mode = stat.S_IFMT(attr.mode) | (mode & 0o7777)
+            if caller.uid != 0 and not caller.in_group(attr.gid):
+                attr.mode &= ~stat.S_ISGID
+        if uid is not None or gid is not None:
+            self._chown(caller, attr, uid, gid)
+        if size is not None:
+            if _is_dir(inode):
+                raise _err(errno.EISDIR, f"inode {ino}")
+            if not stat.S_ISREG(attr.mode) or size < 0:
+                raise _err(errno.EINVAL, f"size {size} for inode {ino}")
+            _access(caller, attr, W_OK)
+            attr.size = size
+            attr.mtime_ns = now
+            _kill_suid(caller, attr)
+        if atime is not None or mtime is not None:
+            if isinstance(atime, int) or isinstance(mtime, int):
+                _require_owner(caller, attr)
+            elif caller.uid not in (0, attr.uid):
+                _access(caller, attr, W_OK)
+            attr.atime_ns = _pick_time(atime, now, attr.atime_ns)
+            attr.mtime_ns = _pick_time(mtime, now, attr.mtime_ns)
+        attr.ctime_ns = now
+        self._put(tr, inode)
+        return attr
+
+    @staticmethod
+    def _chown(caller: Caller, attr: Attr, uid: int | None, gid: int | None) -> None:
+        if caller.uid != 0:
+            if uid is not None and uid != attr.uid:
+                raise _err(errno.EPERM, "only root may change the owner")
+            if gid is not None and gid != attr.gid and (caller.uid != attr.uid or not caller.in_group(gid)):
+                raise _err(errno.EPERM, f"may not change group to {gid}")
+        attr.uid = attr.uid if uid is None else uid
+        attr.gid = attr.gid if gid is None else gid
+        if not stat.S_ISDIR(attr.mode):
+            attr.mode &= ~stat.S_ISUID
+            if attr.mode & stat.S_IXGRP:
+                attr.mode &= ~stat.S_ISGID
+
+    # ------------------------------------------------------------------ create ------------
+    def _make(self, tr: Transaction, caller: Caller, parent: int, name: bytes, mode: int, ino: int,
+              *, rdev: int = 0, target: bytes | None = None) -> Inode:
+        """Create inode ``ino`` named ``name`` in ``parent``: owner is the caller, the group and
+        (for directories) the setgid bit come from a setgid parent, layout is the parent's
+        (regular files get their own random seed)."""
+        pdir = self._dir(tr, caller, parent)
+        if self._entry(tr, parent, name) is not None:
+            raise _err(errno.EEXIST, repr(name))
+        _access(caller, pdir.attr, W_OK | X_OK)
+        ftype, perm = stat.S_IFMT(mode), mode & 0o7777
+        is_dir = ftype == stat.S_IFDIR
+        if is_dir and pdir.attr.nlink >= LINK_MAX:
+            raise _err(errno.EMLINK, f"inode {parent}")
+        gid = caller.gid
+        if pdir.attr.mode & stat.S_ISGID:
+            gid = pdir.attr.gid
+            if is_dir:
+                perm |= stat.S_ISGID
+        if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
+            perm &= ~stat.S_ISGID
+        layout = pdir.layout or self._root_layout
+        if ftype == stat.S_IFREG:
+            layout = msgspec.structs.replace(layout, seed=secrets.randbits(64))
+        elif not is_dir:
+            layout = None
+        now = self._clock()
+        attr = Attr(ino, ftype | perm, 2 if is_dir else 1, caller.uid, gid, len(target or b""), now, now, now,
+                    rdev=rdev, blksize=(layout or self._root_layout).chunk_size)
+        inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target)
+        self._put(tr, inode)
+        self._link_entry(tr, parent, name, inode)
+        if is_dir:
+            pdir.attr.nlink += 1
+        self._touch(pdir)
+        self._put(tr, pdir)
+        tr.add(schema.INODE_COUNT, 1)
+        return inode
+
+    def _create_op(self, fn: Callable[..., Any], caller: Caller, parent: int, name: bytes | str, *args: Any) -> Any:
+        return self.db.run(fn, caller, parent, _check_name(name), self._next_ino(), *args)
+
+    def mkdir(self, caller: Caller, parent: int, name: bytes | str, mode: int) -> Attr:
+        return self._create_op(self._mkdir, caller, parent, name, mode)
+
+    def _mkdir(self, tr: Transaction, caller: Caller, parent: int, name: bytes, ino: int, mode: int) -> Attr:
+        return self._make(tr, caller, parent, name, stat.S_IFDIR | (mode & 0o7777), ino).attr
+
+    def mknod(self, caller: Caller, parent: int, name: bytes | str, mode: int, rdev: int = 0) -> Attr:
+        """Regular files, FIFOs and sockets for anyone; character/block devices for root only."""
+        return self._create_op(self._mknod, caller, parent, name, mode, rdev)
+
+    def _mknod(self, tr: Transaction, caller: Caller, parent: int, name: bytes, ino: int, mode: int, rdev: int) -> Attr:
+        ftype = stat.S_IFMT(mode) or stat.S_IFREG
+        if ftype in (stat.S_IFCHR, stat.S_IFBLK):
+            if caller.uid != 0:
+                raise _err(errno.EPERM, "device nodes need root")
+        elif ftype in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
+            rdev = 0
+        else:
+            raise _err(errno.EINVAL, f"mknod type {ftype:o}")
+        return self._make(tr, caller, parent, name, ftype | (mode & 0o7777), ino, rdev=rdev).attr
+
+    def symlink(self, caller: Caller, parent: int, name: bytes | str, target: bytes | str) -> Attr:
+        raw = _fsname(target)
+        if not raw or b"\0" in raw:
+            raise _err(errno.ENOENT if not raw else errno.EINVAL, "symlink target")
+        if len(raw) >= PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, "symlink target")
+        return self._create_op(self._symlink, caller, parent, name, raw)
+
+    def _symlink(self, tr: Transaction, caller: Caller, parent: int, name: bytes, ino: int, target: bytes) -> Attr:
+        return self._make(tr, caller, parent, name, stat.S_IFLNK | 0o777, ino, target=target).attr
+
+    def readlink(self, caller: Caller, ino: int) -> bytes:
+        inode = self.db.run(self._inode, ino)
+        if inode.target is None:
+            raise _err(errno.EINVAL, f"inode {ino} is not a symlink")
+        return inode.target
+
+    def create(self, caller: Caller, parent: int, name: bytes | str, mode: int, flags: int = os.O_RDWR) -> Opened:
+        """open(O_CREAT): create a regular file, or open the existing one unless ``O_EXCL``.
+        Opening for writing starts a write session (see :meth:`close`)."""
+        return self._create_op(self._create, caller, parent, name, mode, flags)
+
+    def _create(self, tr: Transaction, caller: Caller, parent: int, name: bytes, ino: int, mode: int, flags: int) -> Opened:
+        self._dir(tr, caller, parent)
+        entry = self._entry(tr, parent, name)
+        if entry is not None:
+            if flags & os.O_EXCL:
+                raise _err(errno.EEXIST, repr(name))
+            return self._open(tr, caller, entry.ino, flags & ~os.O_CREAT)
+        inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino)
+        return Opened(inode.attr, self._start_session(tr, caller, inode, flags))
+
+    # ------------------------------------------------------------------ links -------------
+    def link(self, caller: Caller, ino: int, newparent: int, newname: bytes | str) -> Attr:
+        return self.db.run(self._link, caller, ino, newparent, _check_name(newname))
+
+    def _link(self, tr: Transaction, caller: Caller, ino: int, newparent: int, newname: bytes) -> Attr:
+        inode = self._live(tr, ino)
+        if _is_dir(inode):
+            raise _err(errno.EPERM, "hard link to a directory")
+        if inode.attr.nlink >= LINK_MAX:
+            raise _err(errno.EMLINK, f"inode {ino}")
+        pdir = self._dir(tr, caller, newparent)
+        if self._entry(tr, newparent, newname) is not None:
+            raise _err(errno.EEXIST, repr(newname))
+        _access(caller, pdir.attr, W_OK | X_OK)
+        inode.attr.nlink += 1
+        self._touch(inode, mtime=False)
+        self._touch(pdir)
+        self._link_entry(tr, newparent, newname, inode)
+        self._put(tr, inode)
+        self._put(tr, pdir)
+        return inode.attr
+
+    def unlink(self, caller: Caller, parent: int, name: bytes | str) -> None:
+        self.db.run(self._remove, caller, parent, _check_name(name), False)
+
+    def rmdir(self, caller: Caller, parent: int, name: bytes | str) -> None:
+        self.db.run(self._remove, caller, parent, _check_name(name), True)
+
+    def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool) -> None:
+        pdir = self._dir(tr, caller, parent)
+        _, inode = self._child(tr, parent, name)
+        _access(caller, pdir.attr, W_OK | X_OK)
+        _check_sticky(caller, pdir, inode)
+        if want_dir:
+            self._check_empty_dir(tr, inode)
+            pdir.attr.nlink -= 1
+        elif _is_dir(inode):
+            raise _err(errno.EISDIR, repr(name))
+        tr.clear(schema.dentry(parent, name))
+        self._touch(pdir)
+        self._put(tr, pdir)
+        self._drop_link(tr, inode)
+
+    def _check_empty_dir(self, tr: Transaction, inode: Inode) -> None:
+        if not _is_dir(inode):
+            raise _err(errno.ENOTDIR, f"inode {inode.attr.ino}")
+        if inode.attr.ino == ROOT_INO:
+            raise _err(errno.EBUSY, "root")
+        if tr.get_range(*schema.dir_range(inode.attr.ino), limit=1):
+            raise _err(errno.ENOTEMPTY, f"inode {inode.attr.ino}")
+
+    # ------------------------------------------------------------------ rename ------------
+    def rename(self, caller: Caller, parent: int, name: bytes | str, newparent: int, newname: bytes | str,
+               flags: int = 0) -> None:
+        """Atomic rename with Linux's RENAME_NOREPLACE / RENAME_EXCHANGE flags."""
+        self.db.run(self._rename, caller, parent, _check_name(name), newparent, _check_name(newname), flags)
+
+    def _rename(self, tr: Transaction, caller: Caller, parent: int, name: bytes, newparent: int,
+                newname: bytes, flags: int) -> None:
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
+            raise _err(errno.EINVAL, f"rename flags {flags}")
+        sdir = self._dir(tr, caller, parent)
+        ddir = sdir if newparent == parent else self._dir(tr, caller, newparent)
+        sentry, src = self._child(tr, parent, name)
+        dentry = self._entry(tr, newparent, newname)
+        for d in (sdir, ddir):
+            _access(caller, d.attr, W_OK | X_OK)
+        _check_sticky(caller, sdir, src)
+        dst = None
+        if dentry is not None:
+            if flags & RENAME_NOREPLACE:
+                raise _err(errno.EEXIST, repr(newname))
+            dst = self._inode(tr, dentry.ino)
+            _check_sticky(caller, ddir, dst)
+            if dst.attr.ino == src.attr.ino:
+                return  # two names of one file: POSIX says do nothing
+        elif flags & RENAME_EXCHANGE:
+            raise _err(errno.ENOENT, repr(newname))
+
+        if flags & RENAME_EXCHANGE:
+            assert dst is not None and dentry is not None
+            self._check_move(tr, caller, src, sdir, ddir)
+            self._check_move(tr, caller, dst, ddir, sdir)
+            self._move(sdir, ddir, src)
+            self._move(ddir, sdir, dst)
+            tr.set(schema.dentry(parent, name), _enc.encode(dentry))
+            self._touch(dst, mtime=False)
+            self._put(tr, dst)
+        else:
+            if dst is not None:
+                if _is_dir(src):
+                    self._check_empty_dir(tr, dst)
+                elif _is_dir(dst):
+                    raise _err(errno.EISDIR, repr(newname))
+            self._check_move(tr, caller, src, sdir, ddir)
+            self._move(sdir, ddir, src)
+            tr.clear(schema.dentry(parent, name))
+            if dst is not None:
+                if _is_dir(dst):
+                    ddir.attr.nlink -= 1
+                self._drop_link(tr, dst)
+        tr.set(schema.dentry(newparent, newname), _enc.encode(sentry))
+        self._touch(src, mtime=False)
+        self._touch(sdir, ddir)
+        self._put(tr, src)
+        self._put(tr, sdir)
+        self._put(tr, ddir)
+
+    def _check_move(self, tr: Transaction, caller: Caller, node: Inode, old: Inode, new: Inode) -> None:
+        """A directory changing parents must not land inside itself (EINVAL), needs write access
+        to itself (its ".." changes) and room for one more link in the new parent."""
+        if not _is_dir(node) or old.attr.ino == new.attr.ino:
+            return
+        ino = new.attr.ino
+        while True:
+            if ino == node.attr.ino:
+                raise _err(errno.EINVAL, "cannot move a directory under itself")
+            if ino == ROOT_INO:
+                break
+            ino = self._inode(tr, ino).parent
+        _access(caller, node.attr, W_OK)
+        if new.attr.nlink >= LINK_MAX:
+            raise _err(errno.EMLINK, f"inode {new.attr.ino}")
+
+    @staticmethod
+    def _move(old: Inode, new: Inode, node: Inode) -> None:
+        if _is_dir(node):
+            node.parent = new.attr.ino
+            old.attr.nlink -= 1
+            new.attr.nlink += 1
+
+    # ------------------------------------------------------------------ readdir -----------
+    def readdir(self, caller: Caller, ino: int, cookie: bytes = b"", limit: int = 256) -> DirPage:
+        """Up to ``limit`` entries after ``cookie`` (the last name of the previous page; b"" to
+        start), with attributes for readdirplus.  Names are in byte order, so paging stays
+        correct while the directory changes: no entry twice, none that existed throughout lost."""
+        return self.db.run(self._readdir, caller, ino, _fsname(cookie), max(1, limit))
+
+    def _readdir(self, tr: Transaction, caller: Caller, ino: int, cookie: bytes, limit: int) -> DirPage:
+        self._dir(tr, caller, ino, R_OK)
+        begin, end = schema.dir_range(ino)
+        if cookie:
+            begin = key_after(schema.dentry(ino, cookie))
+        rows = tr.get_range(begin, end, limit=limit + 1)
+        entries = []
+        for key, raw in rows[:limit]:
+            name = unpack(key)[-1]
+            entries.append(Entry(name, self._inode(tr, _dec_entry.decode(raw).ino).attr))
+        return DirPage(entries, entries[-1].name if entries else cookie, len(rows) <= limit)
+
+    # ------------------------------------------------------------------ statfs ------------
+    def statfs(self, caller: Caller) -> StatFs:
+        files = self.db.run(lambda tr: decode_int(tr.get(schema.INODE_COUNT, snapshot=True)))
+        total, free = self._space() if self._space else (1 << 50, 1 << 50)
+        bsize = 4096
+        return StatFs(bsize, bsize, total // bsize, free // bsize, free // bsize, files, (1 << 48) - files, NAME_MAX)
+
+    # ------------------------------------------------------------------ xattrs ------------
+    def _xattr_target(self, tr: Transaction, caller: Caller, ino: int, name: bytes, want: int) -> Inode:
+        """Namespace and permission rules: user.* follows the file's mode bits (and only regular
+        files and directories carry them), trusted.* is root's, writing security.* needs root,
+        system.* (POSIX ACLs) is not supported."""
+        if not name or len(name) > XATTR_NAME_MAX:
+            raise _err(errno.ERANGE, "xattr name length")
+        inode = self._inode(tr, ino)
+        space = name.split(b".", 1)[0]
+        if space == b"user":
+            if not (stat.S_ISREG(inode.attr.mode) or _is_dir(inode)):
+                raise _err(errno.EPERM, "user xattrs on special files")
+            _access(caller, inode.attr, want)
+        elif space == b"trusted" or (space == b"security" and want == W_OK):
+            if caller.uid != 0:
+                raise _err(errno.EPERM, repr(name))
+        elif space != b"security":
+            raise _err(errno.EOPNOTSUPP, repr(name))
+        return inode
+
+    def getxattr(self, caller: Caller, ino: int, name: bytes | str) -> bytes:
+        return self.db.run(self._getxattr, caller, ino, _fsname(name))
+
+    def _getxattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes) -> bytes:
+        self._xattr_target(tr, caller, ino, name, R_OK)
+        value = tr.get(schema.xattr(ino, name))
+        if value is None:
+            raise _err(errno.ENODATA, repr(name))
+        return value
+
+    def setxattr(self, caller: Caller, ino: int, name: bytes | str, value: bytes, flags: int = 0) -> None:
+        if flags & ~(XATTR_CREATE | XATTR_REPLACE) or flags == XATTR_CREATE | XATTR_REPLACE:
+            raise _err(errno.EINVAL, f"xattr flags {flags}")
+        if len(value) > XATTR_SIZE_MAX:
+            raise _err(errno.E2BIG, "xattr value")
+        self.db.run(self._change_xattr, caller, ino, _fsname(name), bytes(value), flags)
+
+    def removexattr(self, caller: Caller, ino: int, name: bytes | str) -> None:
+        self.db.run(self._change_xattr, caller, ino, _fsname(name), None, XATTR_REPLACE)
+
+    def _change_xattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes, value: bytes | None, flags: int) -> None:
+        inode = self._xattr_target(tr, caller, ino, name, W_OK)
+        key = schema.xattr(ino, name)
+        exists = tr.get(key) is not None
+        if flags & XATTR_CREATE and exists:
+            raise _err(errno.EEXIST, repr(name))
+        if flags & XATTR_REPLACE and not exists:
+            raise _err(errno.ENODATA, repr(name))
+        if value is None:
+            tr.clear(key)
+        else:
+            tr.set(key, value)
+        self._touch(inode, mtime=False)
+        self._put(tr, inode)
+
+    def listxattr(self, caller: Caller, ino: int) -> list[bytes]:
+        """Names the caller may see (trusted.* only for root)."""
+        def fn(tr: Transaction) -> list[bytes]:
+            self._inode(tr, ino)
+            names = [unpack(k)[-1] for k, _ in tr.get_range(*schema.xattr_range(ino))]
+            return [n for n in names if caller.uid == 0 or not n.startswith(b"trusted.")]
+
+        return self.db.run(fn)
+
+    # ------------------------------------------------------------------ layouts -----------
+    def get_layout(self, caller: Caller, ino: int) -> Layout:
+        """A file's layout, or the layout a directory gives its new children."""
+        inode = self.db.run(self._inode, ino)
+        return inode.layout or self._root_layout
+
+    def set_layout(self, caller: Caller, ino: int, layout: Layout) -> None:
+        """Set what new children of directory ``ino`` inherit (owner or root only)."""
+        cs = layout.chunk_size
+        if cs & (cs - 1) or not 64 * 1024 <= cs <= 64 * 1024 * 1024 or layout.stripe < 1 or layout.chain_table < 0:
+            raise _err(errno.EINVAL, f"layout {layout}")
+
+        def fn(tr: Transaction) -> None:
+            inode = self._inode(tr, ino)
+            if not _is_dir(inode):
+                raise _err(errno.ENOTDIR, f"inode {ino}")
+            _require_owner(caller, inode.attr)
+            inode.layout = layout
+            self._touch(inode, mtime=False)
+            self._put(tr, inode)
+
+        self.db.run(fn)
+
+    # ------------------------------------------------------------------ sessions ----------
+    def open(self, caller: Caller, ino: int, flags: int) -> Opened:
+        """Check access for ``flags``; ``O_TRUNC`` truncates; opening a regular file for writing
+        starts a write session that keeps its chunks alive until :meth:`close`."""
+        return self.db.run(self._open, caller, ino, flags)
+
+    def _open(self, tr: Transaction, caller: Caller, ino: int, flags: int) -> Opened:
+        inode = self._live(tr, ino)
+        wants = _open_wants(flags)
+        if flags & os.O_TRUNC:
+            wants |= W_OK
+        if _is_dir(inode) and wants & W_OK:
+            raise _err(errno.EISDIR, f"inode {ino}")
+        if stat.S_ISLNK(inode.attr.mode):
+            raise _err(errno.ELOOP, f"inode {ino} is a symlink")
+        _access(caller, inode.attr, wants)
+        if flags & os.O_TRUNC and stat.S_ISREG(inode.attr.mode):
+            inode.attr.size = 0
+            _kill_suid(caller, inode.attr)
+            self._touch(inode)
+            self._put(tr, inode)
+        return Opened(inode.attr, self._start_session(tr, caller, inode, flags))
+
+    def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int) -> int | None:
+        if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
+            return None
+        sid = secrets.randbits(63)
+        tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, self._clock())))
+        return sid
+
+    def _session_inode(self, tr: Transaction, ino: int, session: int) -> Inode:
+        if tr.get(schema.session(ino, session)) is None:
+            raise _err(errno.EBADF, f"no write session {session} on inode {ino}")
+        return self._inode(tr, ino)
+
+    def report_length(self, caller: Caller, ino: int, session: int, end_offset: int, *,
+                      mtime: TimeSpec = "now") -> Attr:
+        """A writer wrote up to ``end_offset``: the length becomes the max of both, mtime is
+        updated, and an unprivileged writer clears the set-id bits."""
+        def fn(tr: Transaction) -> Attr:
+            inode = self._session_inode(tr, ino, session)
+            attr = inode.attr
+            attr.size = max(attr.size, end_offset)
+            now = self._clock()
+            attr.mtime_ns = _pick_time(mtime, now, attr.mtime_ns)
+            attr.ctime_ns = now
+            _kill_suid(caller, attr)
+            self._put(tr, inode)
+            return attr
+
+        return self.db.run(fn)
+
+    def set_length(self, caller: Caller, ino: int, session: int, length: int) -> Attr:
+        """The exact length the writer knows (fsync/close), possibly shorter than reported maxima."""
+        def fn(tr: Transaction) -> Attr:
+            inode = self._session_inode(tr, ino, session)
+            inode.attr.size = length
+            self._touch(inode, mtime=False)
+            self._put(tr, inode)
+            return inode.attr
+
+        return self.db.run(fn)
+
+    def close(self, caller: Caller, ino: int, session: int | None, exact_length: int | None = None) -> Attr:
+        """End a write session (idempotent, so a retried close is harmless), optionally fixing the
+        exact length first.  An unlinked file's chunks become collectable when its last session closes."""
+        def fn(tr: Transaction) -> Attr:
+            inode = self._inode(tr, ino)
+            if session is not None and tr.get(schema.session(ino, session)) is not None:
+                tr.clear(schema.session(ino, session))
+                if exact_length is not None:
+                    inode.attr.size = exact_length
+                    self._touch(inode, mtime=False)
+                    self._put(tr, inode)
+            return inode.attr
+
+        return self.db.run(fn)
+
+    # ------------------------------------------------------------------ GC ----------------
+    def gc_once(self, limit: int = 64) -> int:
+        """Collect up to ``limit`` queued inodes without write sessions: remove their chunks, then
+        their records.  Returns how many were collected.  Chunk removal runs outside any
+        transaction (it is not retryable) and before the record goes, so a crash in between only
+        repeats an idempotent removal; a queued inode cannot gain a new session (open refuses
+        nlink 0), so nothing can start writing after the check."""
+        if self._remover is None:
+            raise KvfsError("gc_once needs a chunk_remover", errno.ENOSYS)
+
+        def pending(tr: Transaction) -> list[Inode]:
+            out = []
+            for key, _ in tr.get_range(*schema.GC_RANGE, limit=limit, snapshot=True):
+                ino = unpack(key)[-1]
+                raw = tr.get(schema.inode(ino), snapshot=True)
+                if raw is not None and not self._sessions(tr, ino, snapshot=True):
+                    out.append(_dec_inode.decode(raw))
+            return out
+
+        done = 0
+        for inode in self.db.run(pending):
+            self._remover.remove_file_chunks(inode.attr.ino, inode.layout or self._root_layout, inode.attr.size)
+            done += self.db.run(self._gc_finish, inode.attr.ino)
+        return done
+
+    def _gc_finish(self, tr: Transaction, ino: int) -> int:
+        if tr.get(schema.gc(ino)) is None or self._sessions(tr, ino):
+            return 0  # another instance finished it, or (never expected) a session appeared
+        tr.clear(schema.gc(ino))
+        self._delete_inode(tr, ino)
+        return 1

@@ -1,0 +1,110 @@
+"""Records meta stores and returns; msgspec Structs so they go over the wire (msgpack) as they are."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+MIB = 1 << 20
+
+
+class Caller(msgspec.Struct, frozen=True):
+    """Who asks: the credentials every permission check uses (``gids``: supplementary groups)."""
+
+    uid: int
+    gid: int
+    gids: tuple[int, ...] = ()
+    pid: int = 0
+
+    def in_group(self, gid: int) -> bool:
+        return gid == self.gid or gid in self.gids
+
+
+ROOT = Caller(0, 0)
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """Where a file's chunks live: see :func:`meta.placement.chunk_chain`.
+
+    chunk_size is a power of two in [64 KiB, 64 MiB]; 1 MiB by default until measured otherwise.
+    """
+
+    chain_table: int = 1
+    chunk_size: int = MIB
+    stripe: int = 1
+    seed: int = 0
+
+
+class Attr(msgspec.Struct):
+    ino: int
+    mode: int  # type bits included
+    nlink: int
+    uid: int
+    gid: int
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    rdev: int = 0
+    blksize: int = MIB
+    blocks: int = 0  # 512-byte units, computed from size (chunks are allocated as written)
+    generation: int = 0
+
+
+class Inode(msgspec.Struct):
+    """The stored inode record (key ``("meta", "i", ino)``)."""
+
+    attr: Attr
+    parent: int = 0  # directories only: the one directory holding them, for ".." and rename's walk
+    layout: Layout | None = None  # files: their own; directories: what new children copy
+    target: bytes | None = None  # symlinks
+
+
+class DirEntry(msgspec.Struct, array_like=True):
+    """The stored directory entry (key ``("meta", "d", parent, name)``)."""
+
+    ino: int
+    type: int  # S_IFMT bits, so a listing knows types without reading inodes
+
+
+class Entry(msgspec.Struct):
+    name: bytes
+    attr: Attr
+
+
+class DirPage(msgspec.Struct):
+    """One readdir page; pass ``cookie`` back to continue.  ``eof`` means nothing follows."""
+
+    entries: list[Entry]
+    cookie: bytes
+    eof: bool
+
+
+class Opened(msgspec.Struct):
+    """Result of create/open: the attributes, and the write session id when opened for writing."""
+
+    attr: Attr
+    session: int | None = None
+
+
+class Session(msgspec.Struct):
+    """A write-open session (key ``("meta", "s", ino, session)``)."""
+
+    uid: int
+    pid: int
+    opened_ns: int
+
+
+class StatFs(msgspec.Struct):
+    bsize: int
+    frsize: int
+    blocks: int
+    bfree: int
+    bavail: int
+    files: int
+    ffree: int
+    namemax: int = 255
+
+
+TimeSpec = int | Literal["now"] | None  # nanoseconds, the current time, or leave unchanged

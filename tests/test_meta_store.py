@@ -1,0 +1,452 @@
+"""MetaStore: every operation, its errnos and POSIX permission rules, on the SQLite engine."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from kvfs.errors import KvfsError
+from meta import store as store_mod
+from meta.chunks import MemoryChunkRemover
+from meta.kv import SqliteDatabase
+from meta.placement import chunk_chain, permutation, splitmix64
+from meta.store import (
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    XATTR_CREATE,
+    XATTR_REPLACE,
+    MetaStore,
+)
+from meta.types import ROOT, Caller, Layout
+
+ALICE = Caller(1000, 1000)
+BOB = Caller(1001, 1001)
+CAROL = Caller(1002, 1002, (1000,))  # in alice's group
+
+
+@pytest.fixture
+def db(tmp_path):
+    database = SqliteDatabase(str(tmp_path / "meta.db"))
+    yield database
+    database.close()
+
+
+@pytest.fixture
+def remover():
+    return MemoryChunkRemover()
+
+
+@pytest.fixture
+def ms(db, remover):
+    m = MetaStore(db, chunk_remover=remover, space=lambda: (10 << 30, 4 << 30))
+    m.format(mode=0o777)
+    return m
+
+
+def fails(code: int, fn, *args, **kw) -> None:
+    with pytest.raises(KvfsError) as info:
+        fn(*args, **kw)
+    assert info.value.errno == code, f"expected {errno.errorcode[code]}, got {info.value}"
+
+
+def names(ms: MetaStore, ino: int, caller: Caller = ROOT) -> list[bytes]:
+    return [e.name for e in ms.readdir(caller, ino, limit=1000).entries]
+
+
+# ----------------------------------------------------------------------------- basics ----------
+def test_format_is_idempotent(ms, db):
+    root = ms.getattr(ROOT, ROOT_INO)
+    assert stat.S_ISDIR(root.mode) and root.nlink == 2 and root.ino == 1
+    again = MetaStore(db).format()
+    assert again.ctime_ns == root.ctime_ns
+    assert ms.statfs(ROOT).files == 1
+
+
+def test_mkdir_lookup_nlink_and_times(ms):
+    before = ms.getattr(ROOT, ROOT_INO)
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    assert stat.S_ISDIR(d.mode) and d.nlink == 2 and d.uid == 1000 and d.gid == 1000
+    root = ms.getattr(ROOT, ROOT_INO)
+    assert root.nlink == 3 and root.mtime_ns >= before.mtime_ns and root.ctime_ns == root.mtime_ns
+    assert ms.lookup(ALICE, ROOT_INO, "d").ino == d.ino
+    assert ms.lookup(ALICE, d.ino, b".").ino == d.ino
+    assert ms.lookup(ALICE, d.ino, b"..").ino == ROOT_INO
+    fails(errno.ENOENT, ms.lookup, ALICE, ROOT_INO, b"nope")
+    fails(errno.EEXIST, ms.mkdir, ALICE, ROOT_INO, b"d", 0o755)
+    fails(errno.ENOENT, ms.mkdir, ALICE, 999_999, b"x", 0o755)
+
+
+def test_names(ms):
+    odd = b"\xff\x01 \xe2\x98\x83"
+    ms.mknod(ALICE, ROOT_INO, odd, stat.S_IFREG | 0o644)
+    assert names(ms, ROOT_INO) == [odd]
+    fails(errno.ENAMETOOLONG, ms.mkdir, ALICE, ROOT_INO, b"x" * 256, 0o755)
+    ms.mkdir(ALICE, ROOT_INO, b"y" * 255, 0o755)
+    fails(errno.ENAMETOOLONG, ms.lookup, ALICE, ROOT_INO, b"x" * 256)
+    for bad in (b"a/b", b"a\0b", b".", b"..", b""):
+        fails(errno.EINVAL, ms.mkdir, ALICE, ROOT_INO, bad, 0o755)
+
+
+def test_create_open_and_exclusive(ms):
+    o = ms.create(ALICE, ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT)
+    assert stat.S_ISREG(o.attr.mode) and o.session is not None
+    fails(errno.EEXIST, ms.create, ALICE, ROOT_INO, b"f", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    again = ms.create(ALICE, ROOT_INO, b"f", 0o644, os.O_RDONLY | os.O_CREAT)
+    assert again.attr.ino == o.attr.ino and again.session is None
+    fails(errno.ENOTDIR, ms.create, ALICE, o.attr.ino, b"g", 0o644)
+    fails(errno.EACCES, ms.open, BOB, o.attr.ino, os.O_WRONLY)
+    assert ms.open(BOB, o.attr.ino, os.O_RDONLY).session is None
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    fails(errno.EISDIR, ms.open, ALICE, d.ino, os.O_RDWR)
+
+
+def test_mknod_types(ms):
+    assert stat.S_ISFIFO(ms.mknod(ALICE, ROOT_INO, b"fifo", stat.S_IFIFO | 0o600).mode)
+    assert stat.S_ISSOCK(ms.mknod(ALICE, ROOT_INO, b"sock", stat.S_IFSOCK | 0o600).mode)
+    fails(errno.EPERM, ms.mknod, ALICE, ROOT_INO, b"chr", stat.S_IFCHR | 0o600, 0x0501)
+    assert ms.mknod(ROOT, ROOT_INO, b"chr", stat.S_IFCHR | 0o600, 0x0501).rdev == 0x0501
+    assert stat.S_ISBLK(ms.mknod(ROOT, ROOT_INO, b"blk", stat.S_IFBLK | 0o600, 7).mode)
+    fails(errno.EINVAL, ms.mknod, ROOT, ROOT_INO, b"dir", stat.S_IFDIR | 0o755)
+
+
+def test_unlink_rmdir(ms):
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    f = ms.mknod(ALICE, d.ino, b"f", stat.S_IFREG | 0o644)
+    fails(errno.EISDIR, ms.unlink, ALICE, ROOT_INO, b"d")
+    fails(errno.ENOTDIR, ms.rmdir, ALICE, d.ino, b"f")
+    fails(errno.ENOTEMPTY, ms.rmdir, ALICE, ROOT_INO, b"d")
+    fails(errno.ENOENT, ms.unlink, ALICE, d.ino, b"nope")
+    ms.unlink(ALICE, d.ino, b"f")
+    fails(errno.ENOENT, ms.mknod, ALICE, f.ino, b"x", 0o644)  # queued file: no longer a dir anyway
+    ms.rmdir(ALICE, ROOT_INO, b"d")
+    assert ms.getattr(ROOT, ROOT_INO).nlink == 2
+    fails(errno.ENOENT, ms.getattr, ROOT, d.ino)
+    fails(errno.ENOENT, ms.mkdir, ROOT, d.ino, b"x", 0o755)
+
+
+def test_symlink_readlink_resolve(ms):
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    f = ms.mknod(ALICE, d.ino, b"f", stat.S_IFREG | 0o644)
+    s = ms.symlink(ALICE, ROOT_INO, b"s", b"d/f")
+    assert stat.S_ISLNK(s.mode) and s.size == 3
+    assert ms.readlink(ALICE, s.ino) == b"d/f"
+    fails(errno.EINVAL, ms.readlink, ALICE, f.ino)
+    assert ms.resolve(ALICE, "/s").ino == f.ino
+    assert ms.resolve(ALICE, "/s", follow=False).ino == s.ino
+    ms.symlink(ALICE, ROOT_INO, b"abs", b"/d")
+    assert ms.resolve(ALICE, b"/abs/f").ino == f.ino
+    ms.symlink(ALICE, ROOT_INO, b"loop1", b"loop2")
+    ms.symlink(ALICE, ROOT_INO, b"loop2", b"loop1")
+    fails(errno.ELOOP, ms.resolve, ALICE, b"/loop1")
+    fails(errno.ENOENT, ms.symlink, ALICE, ROOT_INO, b"e", b"")
+    fails(errno.ENAMETOOLONG, ms.symlink, ALICE, ROOT_INO, b"e", b"x" * 5000)
+
+
+def test_link_and_emlink(ms, monkeypatch):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o644)
+    assert ms.link(ALICE, f.ino, ROOT_INO, b"g").nlink == 2
+    fails(errno.EEXIST, ms.link, ALICE, f.ino, ROOT_INO, b"g")
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    fails(errno.EPERM, ms.link, ALICE, d.ino, ROOT_INO, b"d2")
+    monkeypatch.setattr(store_mod, "LINK_MAX", 3)
+    ms.link(ALICE, f.ino, ROOT_INO, b"h")
+    fails(errno.EMLINK, ms.link, ALICE, f.ino, ROOT_INO, b"i")
+    ms.mkdir(ALICE, d.ino, b"sub", 0o755)
+    fails(errno.EMLINK, ms.mkdir, ALICE, d.ino, b"sub2", 0o755)
+    ms.unlink(ALICE, ROOT_INO, b"f")
+    assert ms.lookup(ALICE, ROOT_INO, b"g").nlink == 2
+
+
+# ----------------------------------------------------------------------------- permissions -----
+def test_parent_permissions(ms):
+    fails(errno.EACCES, ms.mkdir, ALICE, ms.mkdir(ROOT, ROOT_INO, b"rootonly", 0o755).ino, b"x", 0o755)
+    private = ms.mkdir(ALICE, ROOT_INO, b"private", 0o700)
+    ms.mknod(ALICE, private.ino, b"f", 0o644)
+    fails(errno.EACCES, ms.lookup, BOB, private.ino, b"f")  # no search permission
+    fails(errno.EACCES, ms.readdir, BOB, private.ino)
+    fails(errno.EACCES, ms.resolve, BOB, b"/private/f")
+    assert ms.lookup(ROOT, private.ino, b"f")  # root bypasses
+    shared = ms.mkdir(ALICE, ROOT_INO, b"shared", 0o770)
+    ms.mknod(CAROL, shared.ino, b"by-carol", 0o644)  # group member
+    fails(errno.EACCES, ms.mknod, BOB, shared.ino, b"by-bob", 0o644)
+    fails(errno.EACCES, ms.unlink, BOB, shared.ino, b"by-carol")
+    readonly = ms.mkdir(ALICE, ROOT_INO, b"ro", 0o555)
+    ms.mknod(ROOT, readonly.ino, b"f", 0o644)
+    fails(errno.EACCES, ms.unlink, ALICE, readonly.ino, b"f")
+    fails(errno.EACCES, ms.rename, ALICE, readonly.ino, b"f", ROOT_INO, b"g")
+
+
+def test_sticky_directory(ms):
+    tmp = ms.mkdir(ROOT, ROOT_INO, b"tmp", 0o1777)
+    ms.mknod(ALICE, tmp.ino, b"a", 0o644)
+    fails(errno.EPERM, ms.unlink, BOB, tmp.ino, b"a")
+    fails(errno.EPERM, ms.rename, BOB, tmp.ino, b"a", tmp.ino, b"b")
+    ms.mknod(BOB, tmp.ino, b"b", 0o644)
+    fails(errno.EPERM, ms.rename, ALICE, tmp.ino, b"a", tmp.ino, b"b")  # would replace bob's file
+    ms.unlink(ALICE, tmp.ino, b"a")
+    ms.unlink(ROOT, tmp.ino, b"b")
+
+
+def test_setgid_directory_inheritance(ms):
+    d = ms.mkdir(ROOT, ROOT_INO, b"proj", 0o2777)
+    ms.setattr(ROOT, d.ino, gid=500)
+    f = ms.mknod(ALICE, d.ino, b"f", stat.S_IFREG | 0o2755)
+    assert f.gid == 500 and not f.mode & stat.S_ISGID  # alice is not in group 500
+    sub = ms.mkdir(ALICE, d.ino, b"sub", 0o755)
+    assert sub.gid == 500 and sub.mode & stat.S_ISGID
+
+
+def test_chmod_chown(ms):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o644)
+    fails(errno.EPERM, ms.setattr, BOB, f.ino, mode=0o777)
+    assert stat.S_IMODE(ms.setattr(ALICE, f.ino, mode=0o6755).mode) == 0o6755
+    fails(errno.EPERM, ms.setattr, ALICE, f.ino, uid=BOB.uid)
+    fails(errno.EPERM, ms.setattr, ALICE, f.ino, gid=BOB.gid)
+    a = ms.setattr(Caller(1000, 1000, (77,)), f.ino, gid=77)
+    assert a.gid == 77 and not a.mode & (stat.S_ISUID | stat.S_ISGID)  # chown clears set-id bits
+    assert ms.setattr(ROOT, f.ino, uid=BOB.uid, gid=BOB.gid).uid == BOB.uid
+    ms.setattr(BOB, f.ino, mode=0o2755)
+    assert ms.getattr(BOB, f.ino).mode & stat.S_ISGID
+
+
+def test_chmod_by_non_member_clears_setgid(ms):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o644)
+    ms.setattr(ROOT, f.ino, gid=42)
+    assert not ms.setattr(ALICE, f.ino, mode=0o2755).mode & stat.S_ISGID
+    assert ms.setattr(ROOT, f.ino, mode=0o2755).mode & stat.S_ISGID
+
+
+def test_truncate_and_times(ms):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o644)
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    fails(errno.EACCES, ms.setattr, BOB, f.ino, size=0)
+    fails(errno.EISDIR, ms.setattr, ALICE, d.ino, size=0)
+    fails(errno.EINVAL, ms.setattr, ALICE, f.ino, size=-1)
+    a = ms.setattr(ALICE, f.ino, size=4096)
+    assert a.size == 4096 and a.blocks == 8
+    fails(errno.EPERM, ms.setattr, BOB, f.ino, atime=5, mtime=6)
+    fails(errno.EACCES, ms.setattr, BOB, f.ino, atime="now", mtime="now")
+    a = ms.setattr(ALICE, f.ino, atime=0, mtime=123_456_789_012)
+    assert (a.atime_ns, a.mtime_ns) == (0, 123_456_789_012) and a.ctime_ns > a.mtime_ns
+    b = ms.setattr(ALICE, f.ino, mtime="now")
+    assert b.atime_ns == 0 and b.mtime_ns > a.mtime_ns
+    ms.setattr(ALICE, f.ino, mode=0o666)
+    assert ms.setattr(BOB, f.ino, atime="now", mtime="now").atime_ns > 0  # writer may touch
+
+
+def test_write_clears_setuid(ms):
+    o = ms.create(ALICE, ROOT_INO, b"f", 0o6777)
+    other = ms.open(BOB, o.attr.ino, os.O_WRONLY)
+    a = ms.report_length(BOB, o.attr.ino, other.session, 10)
+    assert a.size == 10 and not a.mode & (stat.S_ISUID | stat.S_ISGID)
+    ms.setattr(ROOT, o.attr.ino, mode=0o6777)
+    assert ms.report_length(ROOT, o.attr.ino, o.session, 5).mode & stat.S_ISUID  # root keeps them
+
+
+# ----------------------------------------------------------------------------- rename ----------
+def test_rename_basics(ms):
+    a = ms.mkdir(ALICE, ROOT_INO, b"a", 0o755)
+    b = ms.mkdir(ALICE, ROOT_INO, b"b", 0o755)
+    f = ms.mknod(ALICE, a.ino, b"f", 0o644)
+    ms.rename(ALICE, a.ino, b"f", b.ino, b"g")
+    assert names(ms, a.ino) == [] and ms.lookup(ALICE, b.ino, b"g").ino == f.ino
+    fails(errno.ENOENT, ms.rename, ALICE, a.ino, b"f", b.ino, b"x")
+    # a directory changes parents: nlinks and ".."
+    ms.rename(ALICE, ROOT_INO, b"a", b.ino, b"a")
+    assert ms.getattr(ROOT, ROOT_INO).nlink == 3 and ms.getattr(ROOT, b.ino).nlink == 3
+    assert ms.lookup(ALICE, a.ino, b"..").ino == b.ino
+    # same file under two names: nothing happens
+    ms.link(ALICE, f.ino, b.ino, b"h")
+    ms.rename(ALICE, b.ino, b"g", b.ino, b"h")
+    assert sorted(names(ms, b.ino)) == [b"a", b"g", b"h"]
+
+
+def test_rename_replaces_and_type_errors(ms, remover):
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    full = ms.mkdir(ALICE, ROOT_INO, b"full", 0o755)
+    ms.mknod(ALICE, full.ino, b"x", 0o644)
+    empty = ms.mkdir(ALICE, ROOT_INO, b"empty", 0o755)
+    f = ms.mknod(ALICE, ROOT_INO, b"f", 0o644)
+    g = ms.mknod(ALICE, ROOT_INO, b"g", 0o644)
+    fails(errno.ENOTEMPTY, ms.rename, ALICE, ROOT_INO, b"d", ROOT_INO, b"full")
+    fails(errno.ENOTDIR, ms.rename, ALICE, ROOT_INO, b"d", ROOT_INO, b"f")
+    fails(errno.EISDIR, ms.rename, ALICE, ROOT_INO, b"f", ROOT_INO, b"d")
+    fails(errno.EEXIST, ms.rename, ALICE, ROOT_INO, b"f", ROOT_INO, b"g", RENAME_NOREPLACE)
+    ms.rename(ALICE, ROOT_INO, b"f", ROOT_INO, b"g")
+    assert ms.lookup(ALICE, ROOT_INO, b"g").ino == f.ino
+    assert ms.gc_once() == 1 and remover.removed[0][0] == g.ino
+    nlink = ms.getattr(ROOT, ROOT_INO).nlink
+    ms.rename(ALICE, ROOT_INO, b"d", ROOT_INO, b"empty")
+    assert ms.getattr(ROOT, ROOT_INO).nlink == nlink - 1
+    fails(errno.ENOENT, ms.getattr, ROOT, empty.ino)
+    assert ms.lookup(ALICE, ROOT_INO, b"empty").ino == d.ino
+
+
+def test_rename_into_itself(ms):
+    a = ms.mkdir(ALICE, ROOT_INO, b"a", 0o755)
+    b = ms.mkdir(ALICE, a.ino, b"b", 0o755)
+    c = ms.mkdir(ALICE, b.ino, b"c", 0o755)
+    fails(errno.EINVAL, ms.rename, ALICE, ROOT_INO, b"a", c.ino, b"a")
+    fails(errno.EINVAL, ms.rename, ALICE, ROOT_INO, b"a", a.ino, b"self")
+    fails(errno.ENOTEMPTY, ms.rename, ALICE, b.ino, b"c", ROOT_INO, b"a")  # onto its ancestor
+    fails(errno.EINVAL, ms.rename, ALICE, b.ino, b"c", ROOT_INO, b"a", RENAME_EXCHANGE)
+    ms.rename(ALICE, b.ino, b"c", ROOT_INO, b"c")  # moving up is fine
+    assert ms.lookup(ALICE, c.ino, b"..").ino == ROOT_INO
+
+
+def test_rename_exchange(ms):
+    a = ms.mkdir(ALICE, ROOT_INO, b"a", 0o755)
+    sub = ms.mkdir(ALICE, a.ino, b"sub", 0o755)
+    f = ms.mknod(ALICE, ROOT_INO, b"f", 0o644)
+    ms.rename(ALICE, a.ino, b"sub", ROOT_INO, b"f", RENAME_EXCHANGE)
+    assert ms.lookup(ALICE, ROOT_INO, b"f").ino == sub.ino
+    assert ms.lookup(ALICE, a.ino, b"sub").ino == f.ino
+    assert ms.getattr(ROOT, a.ino).nlink == 2 and ms.getattr(ROOT, ROOT_INO).nlink == 4
+    assert ms.lookup(ALICE, sub.ino, b"..").ino == ROOT_INO
+    fails(errno.ENOENT, ms.rename, ALICE, ROOT_INO, b"f", ROOT_INO, b"none", RENAME_EXCHANGE)
+    fails(errno.EINVAL, ms.rename, ALICE, ROOT_INO, b"f", ROOT_INO, b"a", RENAME_EXCHANGE | RENAME_NOREPLACE)
+    fails(errno.EINVAL, ms.rename, ALICE, ROOT_INO, b"f", ROOT_INO, b"a", 8)
+
+
+# ----------------------------------------------------------------------------- readdir ---------
+def test_readdir_paging_while_changing(ms):
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    stable = {b"s%03d" % i for i in range(0, 60, 2)}
+    doomed = {b"s%03d" % i for i in range(1, 60, 2)}
+    for name in sorted(stable | doomed):
+        ms.mknod(ALICE, d.ino, name, 0o644)
+    seen: list[bytes] = []
+    cookie, eof, step = b"", False, 0
+    while not eof:
+        page = ms.readdir(ALICE, d.ino, cookie, limit=7)
+        assert all(e.attr.ino for e in page.entries)
+        seen += [e.name for e in page.entries]
+        cookie, eof = page.cookie, page.eof
+        for name in sorted(doomed)[step * 3: step * 3 + 3]:  # the directory changes between pages
+            ms.unlink(ALICE, d.ino, name)
+        ms.mknod(ALICE, d.ino, b"new%02d" % step, 0o644)
+        step += 1
+    assert len(seen) == len(set(seen)) and seen == sorted(seen)
+    assert stable <= set(seen)
+    assert ms.readdir(ALICE, d.ino, cookie).entries == []
+    fails(errno.ENOTDIR, ms.readdir, ALICE, ms.lookup(ALICE, d.ino, b"s000").ino)
+
+
+# ----------------------------------------------------------------------------- statfs ----------
+def test_statfs(ms):
+    ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    s = ms.statfs(ALICE)
+    assert s.files == 2 and s.blocks * s.frsize == 10 << 30 and s.bfree * s.bsize == 4 << 30 and s.namemax == 255
+
+
+# ----------------------------------------------------------------------------- xattrs ----------
+def test_xattrs(ms):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", 0o600).ino
+    ms.setxattr(ALICE, f, b"user.a", b"1")
+    ms.setxattr(ALICE, f, "user.b", b"", XATTR_CREATE)
+    assert ms.getxattr(ALICE, f, b"user.a") == b"1" and ms.getxattr(ALICE, f, b"user.b") == b""
+    fails(errno.EEXIST, ms.setxattr, ALICE, f, b"user.a", b"2", XATTR_CREATE)
+    fails(errno.ENODATA, ms.setxattr, ALICE, f, b"user.c", b"2", XATTR_REPLACE)
+    ms.setxattr(ALICE, f, b"user.a", b"2", XATTR_REPLACE)
+    assert ms.getxattr(ALICE, f, b"user.a") == b"2"
+    fails(errno.ENODATA, ms.getxattr, ALICE, f, b"user.zz")
+    fails(errno.ERANGE, ms.setxattr, ALICE, f, b"user." + b"n" * 251, b"")
+    fails(errno.E2BIG, ms.setxattr, ALICE, f, b"user.big", b"v" * (64 * 1024 + 1))
+    ms.setxattr(ALICE, f, b"user.max", b"v" * (64 * 1024))
+    fails(errno.EACCES, ms.getxattr, BOB, f, b"user.a")
+    fails(errno.EPERM, ms.setxattr, ALICE, f, b"trusted.t", b"x")
+    ms.setxattr(ROOT, f, b"trusted.t", b"x")
+    fails(errno.EOPNOTSUPP, ms.setxattr, ALICE, f, b"system.posix_acl_access", b"x")
+    fails(errno.EINVAL, ms.setxattr, ALICE, f, b"user.a", b"x", 3)
+    assert ms.listxattr(ALICE, f) == [b"user.a", b"user.b", b"user.max"]
+    assert b"trusted.t" in ms.listxattr(ROOT, f)
+    ms.removexattr(ALICE, f, b"user.a")
+    fails(errno.ENODATA, ms.removexattr, ALICE, f, b"user.a")
+    link = ms.symlink(ALICE, ROOT_INO, b"l", b"f").ino
+    fails(errno.EPERM, ms.setxattr, ALICE, link, b"user.a", b"x")
+
+
+# ----------------------------------------------------------------------------- sessions + GC ---
+def test_sessions_length_and_gc(ms, remover):
+    o = ms.create(ALICE, ROOT_INO, b"f", 0o644, os.O_WRONLY)
+    ino, sid = o.attr.ino, o.session
+    assert ms.report_length(ALICE, ino, sid, 5000).size == 5000
+    assert ms.report_length(ALICE, ino, sid, 100).size == 5000  # max, not last
+    assert ms.set_length(ALICE, ino, sid, 4000).size == 4000
+    fails(errno.EBADF, ms.report_length, ALICE, ino, 12345, 1)
+    ms.unlink(ALICE, ROOT_INO, b"f")
+    fails(errno.ENOENT, ms.open, ALICE, ino, os.O_RDONLY)
+    assert ms.report_length(ALICE, ino, sid, 4500).size == 4500  # unlinked but open: still writable
+    assert ms.gc_once() == 0 and remover.removed == []
+    assert ms.close(ALICE, ino, sid, exact_length=4200).size == 4200
+    ms.close(ALICE, ino, sid)  # retried close is harmless
+    files = ms.statfs(ROOT).files
+    assert ms.gc_once() == 1
+    (r_ino, r_layout, r_len), = remover.removed
+    assert (r_ino, r_len) == (ino, 4200) and r_layout.chunk_size == 1 << 20 and r_layout.seed != 0
+    fails(errno.ENOENT, ms.getattr, ROOT, ino)
+    assert ms.statfs(ROOT).files == files - 1
+    assert ms.gc_once() == 0
+
+
+def test_truncate_on_open(ms):
+    o = ms.create(ALICE, ROOT_INO, b"f", 0o644, os.O_WRONLY)
+    ms.report_length(ALICE, o.attr.ino, o.session, 100)
+    t = ms.open(ALICE, o.attr.ino, os.O_WRONLY | os.O_TRUNC)
+    assert t.attr.size == 0 and t.session not in (None, o.session)
+    fails(errno.EACCES, ms.open, BOB, o.attr.ino, os.O_RDONLY | os.O_TRUNC)
+
+
+def test_gc_needs_remover(db):
+    m = MetaStore(db)
+    m.format()
+    fails(errno.ENOSYS, m.gc_once)
+
+
+# ----------------------------------------------------------------------------- layouts ---------
+def test_layout_inheritance(ms):
+    assert ms.get_layout(ROOT, ROOT_INO) == Layout(chain_table=1, chunk_size=1 << 20, stripe=1, seed=0)
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    wide = Layout(chain_table=2, chunk_size=4 << 20, stripe=8)
+    fails(errno.EPERM, ms.set_layout, BOB, d.ino, wide)
+    ms.set_layout(ALICE, d.ino, wide)
+    sub = ms.mkdir(ALICE, d.ino, b"sub", 0o755)
+    assert ms.get_layout(ALICE, sub.ino) == wide
+    f1 = ms.mknod(ALICE, sub.ino, b"f1", 0o644)
+    f2 = ms.mknod(ALICE, sub.ino, b"f2", 0o644)
+    l1, l2 = ms.get_layout(ALICE, f1.ino), ms.get_layout(ALICE, f2.ino)
+    assert (l1.chain_table, l1.chunk_size, l1.stripe) == (2, 4 << 20, 8) and l1.seed != l2.seed
+    assert f1.blksize == 4 << 20
+    fails(errno.ENOTDIR, ms.set_layout, ALICE, f1.ino, wide)
+    for bad in (Layout(chunk_size=3 << 20), Layout(chunk_size=32 << 10), Layout(chunk_size=128 << 20), Layout(stripe=0)):
+        fails(errno.EINVAL, ms.set_layout, ALICE, d.ino, bad)
+
+
+def test_placement_golden_values():
+    # These values define where existing data lives: they must never change.
+    assert splitmix64(0) == (0x9E3779B97F4A7C15, 0xE220A8397B1DCDAF)
+    assert permutation(1, 1) == (0,)
+    assert permutation(42, 8) == GOLDEN_PERM_42_8
+    layout = Layout(chain_table=1, chunk_size=1 << 20, stripe=4, seed=0x1234567)
+    assert [chunk_chain(layout, 1234, i, 10) for i in range(8)] == GOLDEN_CHAINS
+    assert sorted(permutation(7, 100)) == list(range(100))
+    wide = Layout(stripe=16, seed=99)
+    assert sorted({chunk_chain(wide, 5, i, 16) for i in range(16)}) == list(range(16))
+
+
+GOLDEN_PERM_42_8 = (3, 1, 6, 2, 4, 0, 7, 5)
+GOLDEN_CHAINS = [9, 2, 1, 0, 9, 2, 1, 0]
+
+
+# ----------------------------------------------------------------------------- inode ids -------
+def test_inode_ids_unique_across_instances_and_never_reused(ms, db):
+    other = MetaStore(db)
+    ids = [ms.mknod(ALICE, ROOT_INO, b"a%d" % i, 0o644).ino for i in range(5)]
+    ids += [other.mknod(ALICE, ROOT_INO, b"b%d" % i, 0o644).ino for i in range(5)]
+    assert len(set(ids)) == 10 and ROOT_INO not in ids
+    ms.unlink(ALICE, ROOT_INO, b"a0")
+    assert ms.mknod(ALICE, ROOT_INO, b"a0", 0o644).ino not in ids
