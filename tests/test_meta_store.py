@@ -11,7 +11,9 @@ import pytest
 from kvfs.errors import KvfsError
 from meta import store as store_mod
 from meta.chunks import MemoryChunkRemover
+from meta.fsck import check
 from meta.kv import SqliteDatabase
+from meta.kv.keys import pack
 from meta.placement import chunk_chain, permutation, splitmix64
 from meta.store import (
     RENAME_EXCHANGE,
@@ -44,7 +46,8 @@ def remover():
 def ms(db, remover):
     m = MetaStore(db, chunk_remover=remover, space=lambda: (10 << 30, 4 << 30))
     m.format(mode=0o777)
-    return m
+    yield m
+    assert check(db) == []  # every test leaves a consistent namespace
 
 
 def fails(code: int, fn, *args, **kw) -> None:
@@ -450,3 +453,14 @@ def test_inode_ids_unique_across_instances_and_never_reused(ms, db):
     assert len(set(ids)) == 10 and ROOT_INO not in ids
     ms.unlink(ALICE, ROOT_INO, b"a0")
     assert ms.mknod(ALICE, ROOT_INO, b"a0", 0o644).ino not in ids
+
+
+def test_fsck_reports_damage(ms, db):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", 0o644)
+    ms.link(ALICE, f.ino, ROOT_INO, b"g")
+    db.run(lambda tr: tr.clear(pack("meta", "d", ROOT_INO, b"g")))
+    assert check(db) == [f"inode {f.ino} nlink 2 != 1"]
+    db.run(lambda tr: tr.clear(pack("meta", "i", f.ino)))
+    assert len(check(db)) == 2  # dangling entry, wrong inode count
+    db.run(lambda tr: tr.clear(pack("meta", "d", ROOT_INO, b"f")))
+    db.run(lambda tr: tr.add(pack("meta", "n", "inodes"), -1))
