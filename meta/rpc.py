@@ -45,8 +45,7 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("set_length", True),
     ("get_layout", True),
     ("set_layout", False),
-    ("touch_mtime", True),
-    ("access", True),
+    ("resolve", True),
 )
 METHOD_BASE = 100
 

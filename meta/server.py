@@ -16,7 +16,7 @@ def serve_meta(
     setup_logging(log_level)
     db = open_database(kv_url or config.kv_url)
     store = MetaStore(db)
-    store.ensure_root()
+    store.format()
     server = RpcServer(config.resolved_token(), name="meta")
     service = MetaService(store, server, gc_interval=config.meta_service.gc_interval)
 

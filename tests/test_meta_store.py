@@ -298,6 +298,12 @@ def test_rename_into_itself(ms):
     fails(errno.ENOTEMPTY, ms.rename, ALICE, b.ino, b"c", ROOT_INO, b"a")  # onto its ancestor
     fails(errno.EINVAL, ms.rename, ALICE, b.ino, b"c", ROOT_INO, b"a", RENAME_EXCHANGE)
     ms.rename(ALICE, b.ino, b"c", ROOT_INO, b"c")  # moving up is fine
+    ms.setattr(ROOT, a.ino, mode=0o777)
+    ms.setattr(ROOT, ROOT_INO, mode=0o777)
+    ms.setattr(ROOT, c.ino, uid=BOB.uid, gid=BOB.gid)
+    ms.setattr(ROOT, c.ino, mode=0o555)
+    fails(errno.EACCES, ms.rename, BOB, ROOT_INO, b"c", a.ino, b"c")  # its ".." would change
+    ms.rename(BOB, ROOT_INO, b"c", ROOT_INO, b"c2")  # same parent: no write access needed
     assert ms.lookup(ALICE, c.ino, b"..").ino == ROOT_INO
 
 
