@@ -470,3 +470,14 @@ def test_fsck_reports_damage(ms, db):
     assert len(check(db)) == 2  # dangling entry, wrong inode count
     db.run(lambda tr: tr.clear(pack("meta", "d", ROOT_INO, b"f")))
     db.run(lambda tr: tr.add(pack("meta", "n", "inodes"), -1))
+
+
+def test_results_cross_the_wire(ms):
+    import msgspec
+
+    from meta.types import DirPage, Opened, StatFs
+
+    o = ms.create(CAROL, ROOT_INO, b"\xfe", 0o644)
+    page = ms.readdir(CAROL, ROOT_INO)
+    for value, kind in ((o, Opened), (page, DirPage), (ms.statfs(CAROL), StatFs), (CAROL, Caller)):
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=kind) == value
