@@ -8,7 +8,10 @@ Method ids are positions in :data:`OPERATIONS`, so new operations are appended, 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +66,14 @@ class Operation:
         return self.method.request(**{name: bound.arguments[name] for name in ("caller", *self.params)})
 
 
+def _wire_type(hint: Any) -> Any:
+    """Names arrive as ``bytes | str`` in the store; on the wire they are always bytes (msgpack can't tell)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and {bytes, str} <= set(typing.get_args(hint)):
+        rest = [a for a in typing.get_args(hint) if a not in (bytes, str)]
+        return functools.reduce(operator.or_, rest, bytes)
+    return hint
+
+
 def _derive(name: str, position: int, idempotent: bool) -> Operation:
     fn = getattr(MetaStore, name)
     signature = inspect.signature(fn)
@@ -70,7 +81,7 @@ def _derive(name: str, position: int, idempotent: bool) -> Operation:
     params = [p for p in signature.parameters.values()][2:]  # skip self, caller
     fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [("caller", Caller)]
     for p in params:
-        kind = hints.get(p.name, Any)
+        kind = _wire_type(hints.get(p.name, Any))
         fields.append((p.name, kind) if p.default is inspect.Parameter.empty else (p.name, kind, p.default))
     title = "".join(part.title() for part in name.split("_"))
     request = msgspec.defstruct(f"{title}Request", fields, kw_only=True, module=__name__)
