@@ -16,12 +16,14 @@ import contextlib
 import errno
 import itertools
 import logging
+import select
 import socket as _socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import msgspec
+import prometheus_client
 import trio
 
 from kvfs import wire
@@ -43,6 +45,9 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 #: back to back without joining them).
 HandlerResult: TypeAlias = msgspec.Struct | tuple[msgspec.Struct, Buffer | Sequence[Buffer]]
 Handler: TypeAlias = Callable[[Any, memoryview | None, "CallContext"], Awaitable[HandlerResult]]
+
+RPC_CALLS = prometheus_client.Counter("kvfs_rpc_calls", "RPC calls served", ["method", "errno"])
+RPC_SECONDS = prometheus_client.Histogram("kvfs_rpc_seconds", "Time spent in RPC handlers", ["method"])
 
 _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
@@ -210,6 +215,20 @@ class Connection:
     def closed(self) -> bool:
         return self._closed is not None
 
+    def peer_gone(self) -> bool:
+        """True if an idle connection's peer has already hung up (e.g. the server was restarted).
+
+        Checked before reusing an idle connection so that a non-idempotent call is not sent into a socket
+        that is known to be dead, where its failure would be ambiguous.
+        """
+        if self._closed is not None:
+            return True
+        if self._pending:
+            return False  # the reader owns the socket's input while answers are due
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in poller.poll(0))
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the reader and writer until the connection breaks or :meth:`close` is called."""
         try:
@@ -361,8 +380,10 @@ class RpcClient:
 
     async def connection(self, address: str) -> Connection:
         conn = self._connections.get(address)
-        if conn is not None and not conn.closed:
-            return conn
+        if conn is not None:
+            if not conn.peer_gone():
+                return conn
+            conn.close()
         if self._nursery is None:
             raise RuntimeError("RpcClient is used outside its 'async with' block")
         lock = self._connecting.setdefault(address, trio.Lock())
@@ -499,6 +520,8 @@ class RpcServer:
                     self.log.warning("closing connection from %s: %s", peer, exc.message)
                 except OSError as exc:
                     self.log.info("connection from %s broke: %s", peer, exc)
+                except Exception:  # a bug must cost one connection, never the server
+                    self.log.exception("closing connection from %s after an internal error", peer)
                 nursery.cancel_scope.cancel()
         finally:
             writer.close()
@@ -569,6 +592,7 @@ class RpcServer:
             if failure is None:
                 assert entry is not None
                 method, handler = entry
+                started = trio.current_time()
                 try:
                     result = await handler(request, data, CallContext(peer, method))
                     frames = self._response(request_id, method, result)
@@ -577,6 +601,8 @@ class RpcServer:
                 except Exception as exc:
                     self.log.exception("%s from %s failed", method.name, peer)
                     failure = KvfsError(f"internal error in {method.name}: {type(exc).__name__}: {exc}", errno.EIO)
+                RPC_SECONDS.labels(method.name).observe(trio.current_time() - started)
+                RPC_CALLS.labels(method.name, failure.errno if failure else 0).inc()
             if failure is not None:
                 body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
                 frames = [wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body)]

@@ -162,6 +162,8 @@ class Method:
         if other is not None and other.name != self.name:
             raise ValueError(f"method id {self.id} is used by both {other.name} and {self.name}")
         Method.registry[self.id] = self
+        for kind in (self.request, self.response):  # fail at import, not on the first call
+            _decoder_for(kind)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -173,13 +175,17 @@ def encode_body(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_body(kind: type[msgspec.Struct], raw: bytes | memoryview) -> Any:
-    """Decode a body into ``kind``; malformed or mistyped bodies become ProtocolError."""
+def _decoder_for(kind: type[msgspec.Struct]) -> msgspec.msgpack.Decoder[Any]:
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    return decoder
+
+
+def decode_body(kind: type[msgspec.Struct], raw: bytes | memoryview) -> Any:
+    """Decode a body into ``kind``; malformed or mistyped bodies become ProtocolError."""
     try:
-        return decoder.decode(raw)
+        return _decoder_for(kind).decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed {kind.__name__} body: {exc}") from None
 

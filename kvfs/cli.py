@@ -1,0 +1,61 @@
+"""The ``kvfs`` command: one entry point for every server, the mount, the local cluster and admin tools.
+
+Component imports happen inside each command so ``kvfs --help`` stays fast and a host that only runs chunk
+servers never imports FUSE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvfs.config import ClusterConfig, load_config
+from kvfs.errors import KvfsError
+
+
+def _config_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--log-level", default="INFO", show_default=True, help="Logging level.")(fn)
+    return click.option(
+        "--config",
+        "config_path",
+        type=click.Path(dir_okay=False),
+        envvar="KVFS_CONFIG",
+        help="Cluster config file (TOML); also $KVFS_CONFIG.",
+    )(fn)
+
+
+def _load(config_path: str | None) -> ClusterConfig:
+    try:
+        return load_config(config_path)
+    except KvfsError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+def _fail_cleanly(fn: Callable[[], Any]) -> Any:
+    """Turn kvfs errors into a one-line message and a non-zero exit instead of a traceback."""
+    try:
+        return fn()
+    except KvfsError as exc:
+        raise click.ClickException(exc.message) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvfs")
+def main() -> None:
+    """kvfs: a distributed filesystem and KV-cache store for LLM serving."""
+
+
+@main.command("meta")
+@_config_option
+@click.option("--listen", default="127.0.0.1:7200", show_default=True, help="RPC address to serve on.")
+@click.option("--http", "http_address", default=None, help="host:port for /metrics and /health.")
+@click.option("--kv-url", default=None, help="KV store URL (sqlite:///file or fdb:///cluster-file).")
+def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None) -> None:
+    """Run a stateless metadata service."""
+    from meta.server import serve_meta
+
+    config = _load(config_path)
+    _fail_cleanly(lambda: serve_meta(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))
+

@@ -1,0 +1,102 @@
+"""Configuration: one TOML file per cluster, typed and validated by msgspec.
+
+Every process reads the same file (sections it does not use are ignored), so one file describes a whole
+cluster. Command-line flags override file values; the cluster token may come from the ``KVFS_TOKEN``
+environment variable or a ``token_file`` so it need not sit in a world-readable config.
+
+Example::
+
+    token_file = "/etc/kvfs/token"
+    kv_url = "sqlite:///var/lib/kvfs/meta.db"     # or "fdb:///etc/foundationdb/fdb.cluster"
+    mgmtd = ["10.0.0.1:7100", "10.0.0.2:7100"]
+    meta = ["10.0.0.1:7200", "10.0.0.2:7200"]
+
+    [timeouts]
+    heartbeat_interval = 1.0
+
+    [chunkserver]
+    targets = ["/srv/kvfs/disk0", "/srv/kvfs/disk1"]
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tomllib
+from pathlib import Path
+
+import msgspec
+import tomli_w
+
+from kvfs.errors import KvfsError
+
+
+class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Failure-detection and call timing; tests shrink these to make failover fast."""
+
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    lease: float = 5.0
+    call: float = 30.0
+    connect: float = 5.0
+
+
+class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    targets: list[str] = []
+    fsync: bool = True
+    capacity_bytes: int | None = None
+
+
+class MetaSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    gc_interval: float = 5.0
+
+
+class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    token: str | None = None
+    token_file: str | None = None
+    kv_url: str = "sqlite:///var/lib/kvfs/meta.db"
+    mgmtd: list[str] = []
+    meta: list[str] = []
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    chunkserver: ChunkServerSection = msgspec.field(default_factory=ChunkServerSection)
+    meta_service: MetaSection = msgspec.field(default_factory=MetaSection, name="meta-service")
+
+    def resolved_token(self) -> str:
+        """The cluster token: ``KVFS_TOKEN``, then ``token``, then the contents of ``token_file``."""
+        token = os.environ.get("KVFS_TOKEN") or self.token
+        if not token and self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise KvfsError(f"cannot read token_file {self.token_file}: {exc.strerror}") from None
+        if not token:
+            raise KvfsError("no cluster token: set KVFS_TOKEN, or token/token_file in the config file")
+        return token
+
+
+def load_config(path: str | os.PathLike[str] | None) -> ClusterConfig:
+    """Read and validate a config file; a missing path gives the defaults."""
+    if path is None:
+        return ClusterConfig()
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+        return msgspec.convert(raw, ClusterConfig)
+    except OSError as exc:
+        raise KvfsError(f"cannot read config {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise KvfsError(f"invalid config {path}: {exc}") from None
+
+
+def save_config(config: ClusterConfig, path: str | os.PathLike[str], *, private: bool = True) -> None:
+    """Write ``config`` as TOML; ``private`` keeps it readable by the owner only, since it may hold the token."""
+    data = {k: v for k, v in msgspec.to_builtins(config).items() if v is not None}
+    target = Path(path)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(tomli_w.dumps(data))
+    if private:
+        tmp.chmod(0o600)
+    tmp.replace(target)
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)

@@ -1,0 +1,109 @@
+"""What every kvfs server process shares: logging, signals, and the metrics/health endpoint.
+
+The HTTP endpoint is a few lines of trio rather than ``prometheus_client.start_http_server`` so that it lives
+in the service's nursery like every other task, instead of in a stray thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import prometheus_client
+import trio
+
+log = logging.getLogger("kvfs.service")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def _http_connection(stream: trio.SocketStream, health: Callable[[], dict[str, Any]]) -> None:
+    async with stream:
+        request = b""
+        with trio.move_on_after(5):
+            while b"\r\n\r\n" not in request and len(request) < 8192:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                request += chunk
+        parts = request.split(b" ", 2)
+        path = parts[1].decode("latin-1", "replace") if len(parts) > 1 else ""
+        if path == "/metrics":
+            status, ctype, body = "200 OK", prometheus_client.CONTENT_TYPE_LATEST, prometheus_client.generate_latest()
+        elif path == "/health":
+            state = health()
+            status = "200 OK" if state.get("ok", True) else "503 Service Unavailable"
+            ctype, body = "application/json", json.dumps(state).encode()
+        else:
+            status, ctype, body = "404 Not Found", "text/plain", b"try /metrics or /health\n"
+        head = f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n"
+        try:
+            await stream.send_all(head.encode() + body)
+        except trio.BrokenResourceError:
+            pass
+
+
+async def serve_http(
+    host: str,
+    port: int,
+    health: Callable[[], dict[str, Any]],
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` (Prometheus) and ``/health`` (JSON) until cancelled."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(lambda s: _http_connection(s, health), listeners)
+
+
+async def until_signalled(scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` on SIGTERM or SIGINT so the service unwinds through its nurseries."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def run_service(main: Callable[[], Awaitable[None]]) -> None:
+    """Run a service's main coroutine under trio until it returns or a stop signal arrives."""
+
+    async def wrapper() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(until_signalled, nursery.cancel_scope)
+            await main()
+            nursery.cancel_scope.cancel()
+
+    trio.run(wrapper)
+
+
+async def serve_rpc(
+    server: Any,
+    listen: str,
+    *,
+    http: str | None = None,
+    health: Callable[[], dict[str, Any]] = lambda: {"ok": True},
+    background: tuple[Callable[[], Awaitable[None]], ...] = (),
+) -> None:
+    """Serve ``server`` (an RpcServer) on ``listen`` with its background tasks and HTTP endpoint until cancelled."""
+    from kvfs.rpc import parse_address
+
+    host, port = parse_address(listen)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(server.serve, host, port)
+        log.info("%s serving on %s:%s", server.log.name, host, bound)
+        if http:
+            http_host, http_port = parse_address(http)
+            await nursery.start(serve_http, http_host, http_port, health)
+        for task in background:
+            nursery.start_soon(task)

@@ -1,0 +1,40 @@
+"""What the mount and kvclient need from the storage tier, independent of how chunks travel.
+
+:class:`FileStorage` is the contract between a client face (FUSE, kvclient) and the storage client that
+talks to the chunk servers (``chunkserver.client.StorageClient``). It speaks in file terms — an inode, its
+layout, byte offsets — and hides chunks, chains, replicas, retries and transports. File length is not its
+business: metadata owns it, so a read past a chunk's end yields zeros (a hole), and callers clamp to the length
+they got from meta.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeAlias
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+
+class LayoutLike(Protocol):
+    """The fields of ``meta.store.Layout`` that placement needs."""
+
+    chain_table: int
+    chunk_size: int
+    stripe: int
+    seed: int
+
+
+class FileStorage(Protocol):
+    async def read(self, ino: int, layout: LayoutLike, offset: int, into: memoryview) -> int:
+        """Fill ``into`` with the file's bytes at ``offset`` (zeros in holes); return ``len(into)``."""
+
+    async def write(self, ino: int, layout: LayoutLike, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset``; returns once every replica of every touched chunk committed it."""
+
+    async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
+        """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""
+
+    async def remove_file(self, ino: int, layout: LayoutLike, length: int) -> None:
+        """Free every chunk of a file (garbage collection of removed files)."""
+
+    async def capacity(self) -> tuple[int, int]:
+        """(total, free) bytes across the cluster, for statfs."""

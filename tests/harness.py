@@ -1,0 +1,72 @@
+"""Real kvfs processes on loopback for tests: start them, wait for them, always stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "kvfs-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(address: str, proc: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {address}")
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {address} after {timeout}s")
+
+
+class Processes:
+    """Starts kvfs commands as real processes and guarantees they are gone at teardown."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        full_env = {**os.environ, "KVFS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfs", *args], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+            cwd=REPO, start_new_session=True,
+        )
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    @staticmethod
+    def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=5)
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    self.kill(proc)
