@@ -1,0 +1,199 @@
+"""The cluster manager's logic (mgmtd), sans-I/O: nodes, heartbeats, chain tables, target states.
+
+Rules
+-----
+- Time is injected (``now`` arguments); nothing here reads a clock or does I/O.
+- A node is dead when no heartbeat arrived for ``heartbeat_timeout``. A node that comes back with a new
+  incarnation (it restarted) is treated as having died in between: its in-memory replication state is gone.
+- A dead target moves to the end of its chain as offline (lastsrv when it was the last serving one) and the
+  chain version is bumped; writes go on with the remaining replicas.
+- A target whose node is alive again becomes waiting (a lastsrv target serving again, if nothing else serves);
+  one waiting target per chain at a time becomes syncing, placed right after the serving ones; after its
+  predecessor reports :class:`SyncDone` for the current chain version it becomes serving.
+- Chain order is always serving, syncing, waiting, lastsrv, offline (stable within a state, newly down last).
+- Heartbeat replies grant a read lease of ``lease`` (< ``heartbeat_timeout``) from the heartbeat's send time,
+  so a node mgmtd declares dead has stopped serving reads by then.
+
+Every piece of state is a msgspec Struct (:class:`ClusterState`) so the service can persist it as is.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvfs.errors import KvfsError
+
+from craq.messages import ChainConfig, ChainTarget, SyncDone, TargetState
+
+
+class NodeInfo(msgspec.Struct):
+    node_id: int
+    address: str
+    incarnation: int
+    last_heartbeat: float
+    alive: bool = True
+
+
+class ClusterState(msgspec.Struct):
+    nodes: dict[int, NodeInfo] = {}
+    target_nodes: dict[int, int] = {}  # target id -> node id
+    chains: dict[int, ChainConfig] = {}
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    node_id: int
+    incarnation: int
+    address: str
+    sent_at: float  # the node's clock; the lease counts from here
+
+
+class RoutingSnapshot(msgspec.Struct, frozen=True, tag=True):
+    """What clients and chunk servers route by: every chain in order, and where each node listens."""
+
+    chains: tuple[ChainConfig, ...]
+    addresses: dict[int, str]
+
+    def chain(self, chain_id: int) -> ChainConfig:
+        return next(c for c in self.chains if c.chain_id == chain_id)
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True, tag=True):
+    routing: RoutingSnapshot
+    lease_until: float
+
+
+_ORDER = {TargetState.SERVING: 0, TargetState.SYNCING: 1, TargetState.WAITING: 2, TargetState.LASTSRV: 3,
+          TargetState.OFFLINE: 4}
+
+
+class ClusterManager:
+    """mgmtd's decisions. The service persists :attr:`state` after every call that returns changed chains."""
+
+    def __init__(self, heartbeat_timeout: float, lease: float, state: ClusterState | None = None) -> None:
+        if not 0 < lease < heartbeat_timeout:
+            raise ValueError("the read lease must be shorter than the failure timeout")
+        self.heartbeat_timeout = heartbeat_timeout
+        self.lease = lease
+        self.state = state or ClusterState()
+
+    # ------------------------------------------------------------------------------------ chain tables
+
+    def create_chains(self, targets: list[tuple[int, int]], replicas: int, first_chain_id: int = 1) -> list[int]:
+        """Group ``(target_id, node_id)`` pairs into chains of ``replicas`` targets on distinct nodes.
+
+        Greedy: each chain takes one target from each of the ``replicas`` nodes with most targets left,
+        which succeeds whenever any grouping does for equal-sized nodes.
+        """
+        left: dict[int, list[int]] = {}
+        for target_id, node_id in targets:
+            left.setdefault(node_id, []).append(target_id)
+            self.state.target_nodes[target_id] = node_id
+        created = []
+        for chain_id in range(first_chain_id, first_chain_id + len(targets) // replicas):
+            nodes = sorted((n for n in left if left[n]), key=lambda n: (-len(left[n]), n))[:replicas]
+            if len(nodes) < replicas:
+                raise KvfsError(f"cannot place chain {chain_id}: fewer than {replicas} nodes with free targets")
+            members = tuple(ChainTarget(left[n].pop(0), n, TargetState.SERVING) for n in nodes)
+            self.state.chains[chain_id] = ChainConfig(chain_id, 1, members)
+            created.append(chain_id)
+        return created
+
+    def routing(self) -> RoutingSnapshot:
+        return RoutingSnapshot(
+            tuple(self.state.chains[c] for c in sorted(self.state.chains)),
+            {n.node_id: n.address for n in self.state.nodes.values()},
+        )
+
+    # ----------------------------------------------------------------------------------- node liveness
+
+    def heartbeat(self, hb: Heartbeat, now: float) -> tuple[HeartbeatReply, list[int]]:
+        """Record a heartbeat; returns the reply and the ids of chains that changed."""
+        node = self.state.nodes.get(hb.node_id)
+        changed: list[int] = []
+        if node is not None and node.alive and node.incarnation != hb.incarnation:
+            changed += self._node_down(hb.node_id)  # restarted between two heartbeats
+        if node is None:
+            node = self.state.nodes[hb.node_id] = NodeInfo(hb.node_id, hb.address, hb.incarnation, now)
+        node.address, node.incarnation, node.last_heartbeat = hb.address, hb.incarnation, now
+        if not node.alive:
+            node.alive = True
+        changed += self._node_up(hb.node_id)
+        changed += self._start_syncs()
+        reply = HeartbeatReply(self.routing(), hb.sent_at + self.lease)
+        return reply, sorted(set(changed))
+
+    def tick(self, now: float) -> list[int]:
+        """Declare nodes dead whose heartbeats stopped; returns the ids of chains that changed."""
+        changed: list[int] = []
+        for node in self.state.nodes.values():
+            if node.alive and now - node.last_heartbeat > self.heartbeat_timeout:
+                node.alive = False
+                changed += self._node_down(node.node_id)
+        changed += self._start_syncs()
+        return sorted(set(changed))
+
+    def sync_done(self, msg: SyncDone) -> list[int]:
+        """The syncing target's predecessor copied everything: make it serving (if nothing changed since)."""
+        chain = self.state.chains.get(msg.chain_id)
+        if chain is None or chain.chain_version != msg.chain_version or chain.state_of(msg.target_id) is not TargetState.SYNCING:
+            return []
+        self._set(chain, {msg.target_id: TargetState.SERVING})
+        return [msg.chain_id, *self._start_syncs()]
+
+    # ------------------------------------------------------------------------------------- transitions
+
+    def _targets_of(self, node_id: int) -> set[int]:
+        return {t for t, n in self.state.target_nodes.items() if n == node_id}
+
+    def _node_down(self, node_id: int) -> list[int]:
+        mine = self._targets_of(node_id)
+        changed = []
+        for chain in list(self.state.chains.values()):
+            serving = [t.target_id for t in chain.targets if t.state is TargetState.SERVING]
+            new = {}
+            for t in chain.targets:
+                if t.target_id not in mine or t.state in (TargetState.OFFLINE, TargetState.LASTSRV):
+                    continue
+                last = t.state is TargetState.SERVING and set(serving) <= mine
+                new[t.target_id] = TargetState.LASTSRV if last and t.target_id == serving[-1] else TargetState.OFFLINE
+            if new:
+                self._set(chain, new, to_end=True)
+                changed.append(chain.chain_id)
+        return changed
+
+    def _node_up(self, node_id: int) -> list[int]:
+        mine = self._targets_of(node_id)
+        changed = []
+        for chain in list(self.state.chains.values()):
+            serving = any(t.state is TargetState.SERVING for t in chain.targets)
+            new = {}
+            for t in chain.targets:
+                if t.target_id in mine and t.state is TargetState.OFFLINE:
+                    new[t.target_id] = TargetState.WAITING
+                elif t.target_id in mine and t.state is TargetState.LASTSRV and not serving:
+                    new[t.target_id] = TargetState.SERVING
+            if new:
+                self._set(chain, new)
+                changed.append(chain.chain_id)
+        return changed
+
+    def _start_syncs(self) -> list[int]:
+        changed = []
+        for chain in list(self.state.chains.values()):
+            states = [t.state for t in chain.targets]
+            if TargetState.SYNCING in states or TargetState.SERVING not in states:
+                continue
+            waiting = next((t for t in chain.targets if t.state is TargetState.WAITING
+                            and self.state.nodes[t.node_id].alive), None)
+            if waiting is not None:
+                self._set(chain, {waiting.target_id: TargetState.SYNCING})
+                changed.append(chain.chain_id)
+        return changed
+
+    def _set(self, chain: ChainConfig, new: dict[int, TargetState], to_end: bool = False) -> None:
+        """Apply state changes, reorder (changed targets last within their state if ``to_end``), bump version."""
+        targets = [msgspec.structs.replace(t, state=new.get(t.target_id, t.state)) for t in chain.targets]
+        if to_end:
+            targets.sort(key=lambda t: t.target_id in new)
+        targets.sort(key=lambda t: _ORDER[t.state])
+        self.state.chains[chain.chain_id] = ChainConfig(chain.chain_id, chain.chain_version + 1, tuple(targets))

@@ -1,0 +1,680 @@
+"""The CRAQ chain member: a sans-I/O state machine for one storage target in one chain.
+
+Rules
+-----
+1. A chunk ``(inode, index)`` has a committed version and at most one pending version.
+2. The head serializes writes per chunk: one in flight, later ones queued; it assigns ``committed + 1``.
+3. A successor accepts an update only if it is the next version (``committed + 1``), or a full-chunk
+   replace of a newer version. A duplicate of its pending version is a retransmit (idempotent); a duplicate
+   of its committed version is acknowledged again. Anything else is refused with ``VERSION_GAP`` so the
+   predecessor repairs it with a full-chunk replace.
+4. The last member of the write chain (serving targets, then at most one syncing target) commits first;
+   the commit flows back as :class:`UpdateAck`; the head commits last and then replies to the client.
+5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch. Acks carry the
+   sender's committed chunk CRC; a predecessor whose own CRC differs reports it to mgmtd.
+6. A message whose chain version differs from ours is refused (clients get ``StaleRouting``/ESTALE, peers a
+   ``STALE`` ack or silence); the sender re-drives once it has the new chain config.
+7. Reads: only serving members with an unexpired mgmtd lease answer. A clean chunk answers from its committed
+   version. A dirty chunk asks the read tail (last serving target) which version is committed. The read tail
+   itself serves its committed version, except for pending versions it held when it *became* tail (an
+   old tail may have committed and served them), which it commits before serving them.
+8. Client retries carry the same ``(client_id, request_id)``; every member keeps, per chunk, the highest
+   request id applied per client, so a retry at any (new) head attaches to the pending write or is answered
+   from the table. Clients issue one write at a time per chunk, with growing request ids.
+
+Theory of operation
+-------------------
+A write at the head becomes ``PersistPending``; when the driver reports :class:`Persisted` the member
+forwards an :class:`UpdateReq` to its successor, or, as the end of the write chain, emits ``Commit`` and acks
+its predecessor. Each ack commits one more member upstream. On a chain reconfiguration every pending
+version that is already persisted is forwarded again to the (new) successor, or committed at once by a new
+end of chain, so a write that any member committed (and so possibly acknowledged or read) survives and
+reaches every replica; a write only some members hold is finished too, which is allowed because its client
+was never answered. A member that leaves the chain answers its clients with ESTALE so they retry elsewhere.
+
+A returning target sits at the end of the write chain as ``syncing``: its predecessor forwards writes to it
+as full-chunk replaces, asks it for its chunk versions (:class:`SyncQuery`) and copies every committed chunk
+whose version or CRC differs; when all are acknowledged it reports :class:`SyncDone` to mgmtd, which makes
+the target serving. The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at
+a member that mgmtd may already have removed from the chain.
+
+Driving
+-------
+``handle(event) -> list[Effect]`` for every input; effects are executed in list order. ``PersistPending`` is
+asynchronous: the driver reports its completion with :class:`Persisted`; every other effect is done before
+the next one starts. Reads use the pure queries :meth:`ChainMember.read_decision`,
+:meth:`ChainMember.answer_version_query` and :meth:`ChainMember.decide_with_tail`. ``handle`` raises
+:class:`ProtocolError` for an event the current state does not expect; nothing else changes replication state.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Union
+
+import msgspec
+from crc32c import crc32c
+
+from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting
+
+from craq.messages import (
+    AckStatus,
+    ChainConfig,
+    ChecksumReport,
+    ChunkId,
+    ChunkSummary,
+    Msg,
+    SyncDone,
+    SyncQuery,
+    SyncState,
+    TargetState,
+    UpdateAck,
+    UpdateReq,
+    VersionQuery,
+    VersionReply,
+    WriteReq,
+    WriteResp,
+)
+
+# ---------------------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Configure:
+    """A chain config from mgmtd (heartbeat reply) and the lease it grants: reads are served until then."""
+
+    config: ChainConfig
+    lease_until: float
+
+
+@dataclass(frozen=True)
+class Persisted:
+    """The driver's ``write_pending`` finished; the engine's resulting full-chunk CRC and length."""
+
+    chunk_id: ChunkId
+    version: int
+    chunk_crc: int
+    chunk_len: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passes: retransmit what has not been acknowledged within ``retransmit_after``."""
+
+    now: float
+
+
+Event = Union[Configure, Persisted, Tick, WriteReq, UpdateReq, UpdateAck, SyncQuery, SyncState]
+
+# --------------------------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to member ``target``."""
+
+    target: int
+    msg: Msg
+
+
+@dataclass(frozen=True)
+class SendChunk:
+    """Send ``msg`` (a full-chunk :class:`UpdateReq`) with ``data`` = the whole chunk at ``msg.version``,
+    read from the local engine (committed or pending)."""
+
+    target: int
+    msg: UpdateReq
+
+
+@dataclass(frozen=True)
+class PersistPending:
+    """``engine.write_pending(...)``, keeping ``requests`` with the version; report :class:`Persisted`."""
+
+    chunk_id: ChunkId
+    version: int
+    offset: int
+    data: bytes
+    crc: int
+    full_replace: bool
+    requests: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """``engine.commit(chunk_id, version)``: the pending version becomes the committed one."""
+
+    chunk_id: ChunkId
+    version: int
+
+
+@dataclass(frozen=True)
+class ReplyClient:
+    msg: WriteResp
+
+
+@dataclass(frozen=True)
+class ReportToMgmtd:
+    msg: SyncDone | ChecksumReport
+
+
+Effect = Union[Send, SendChunk, PersistPending, Commit, ReplyClient, ReportToMgmtd]
+
+# ------------------------------------------------------------------------------------- read decisions
+
+
+@dataclass(frozen=True)
+class ServeVersion:
+    """Read this version (committed, or pending that the tail confirmed committed) from the engine."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class AskTail:
+    """Send ``query`` to ``target`` (the read tail), then call :meth:`ChainMember.decide_with_tail`."""
+
+    target: int
+    query: VersionQuery
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Answer the client with ``error``; it retries (elsewhere, or after refreshing routing)."""
+
+    error: KvfsError
+
+
+ReadDecision = Union[ServeVersion, AskTail, Retry]
+
+# ----------------------------------------------------------------------------------------- chunk state
+
+
+class Phase(enum.Enum):
+    CLEAN = "clean"  # no pending version
+    PERSISTING = "persisting"  # pending version being written by the driver
+    FORWARDED = "forwarded"  # pending version persisted and sent on; waiting for the ack
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the engine keeps across restarts; a restarted member starts from this.
+
+    ``requests`` is the idempotency table of the newest version (pending if there is one).
+    """
+
+    committed_version: int = 0
+    crc: int = 0
+    length: int = 0
+    requests: dict[int, int] = field(default_factory=dict)
+    pending_version: int = 0  # 0: none
+    pending_crc: int = 0
+    pending_length: int = 0
+
+
+@dataclass
+class _Pending:
+    update: UpdateReq  # as accepted, data included, so it can be re-driven after a reconfiguration
+    persisted: bool = False
+    chunk_crc: int = 0
+    chunk_len: int = 0
+    sent_at: float = 0.0
+    maybe_visible: bool = False  # held when this member became read tail: must commit before serving
+    orphan: bool = False  # from before this member started syncing: another lineage, never committed
+    waiters: list[tuple[int, int]] = field(default_factory=list)  # head only: (client_id, request_id)
+
+
+@dataclass
+class _Chunk:
+    cid: ChunkId
+    committed: int = 0
+    crc: int = 0
+    length: int = 0
+    requests: dict[int, int] = field(default_factory=dict)
+    pending: _Pending | None = None
+    queue: collections.deque[WriteReq] = field(default_factory=collections.deque)  # head only
+    fresh: bool = True  # syncing member: written by the live chain since it started syncing
+
+    @property
+    def phase(self) -> Phase:
+        if self.pending is None:
+            return Phase.CLEAN
+        return Phase.FORWARDED if self.pending.persisted else Phase.PERSISTING
+
+
+@dataclass
+class _SyncJob:
+    """Predecessor side of a resync: chunks not yet confirmed at the syncing successor."""
+
+    target: int
+    outstanding: set[ChunkId] | None = None  # None until the successor's SyncState arrived
+    sent_at: float = 0.0
+
+
+# ------------------------------------------------------------------------------------------- the member
+
+
+class ChainMember:
+    """One target's replication state in one chain. See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        target_id: int,
+        chain_id: int,
+        chunks: dict[ChunkId, ChunkMeta] | None = None,
+        retransmit_after: float = 0.05,
+    ) -> None:
+        self.target_id = target_id
+        self.chain_id = chain_id
+        self.retransmit_after = retransmit_after
+        self.config: ChainConfig | None = None
+        self.lease_until = 0.0
+        self.now = 0.0
+        self._chunks: dict[ChunkId, _Chunk] = {}
+        self._sync: _SyncJob | None = None
+        self._queries = 0
+        for cid, meta in (chunks or {}).items():
+            c = self._chunks[cid] = _Chunk(cid, meta.committed_version, meta.crc, meta.length, dict(meta.requests))
+            if meta.pending_version:
+                # Kept in case this target returns as the last one serving (then it must finish the write);
+                # returning as syncing drops it. Its bytes are only in the engine: re-driven as a full chunk.
+                u = UpdateReq(chain_id, 0, cid, target_id, meta.pending_version, 0, meta.pending_crc, full_replace=True)
+                c.pending = _Pending(u, persisted=True, chunk_crc=meta.pending_crc, chunk_len=meta.pending_length)
+
+    # ----------------------------------------------------------------------------------- public queries
+
+    @property
+    def chain_version(self) -> int:
+        return self.config.chain_version if self.config else 0
+
+    @property
+    def state(self) -> TargetState | None:
+        return self.config.state_of(self.target_id) if self.config else None
+
+    def chunk_versions(self, chunk_id: ChunkId) -> tuple[int, int | None]:
+        """(committed, pending or None), for tests and admin tools."""
+        c = self._chunks.get(chunk_id)
+        if c is None:
+            return (0, None)
+        return (c.committed, c.pending.update.version if c.pending else None)
+
+    def read_decision(self, chunk_id: ChunkId, chain_version: int) -> ReadDecision:
+        """How to answer a client read of ``chunk_id``; changes no replication state."""
+        refusal = self._read_refusal(chain_version)
+        if refusal:
+            return refusal
+        c = self._chunks.get(chunk_id)
+        if c is None or c.pending is None:
+            return ServeVersion(c.committed if c else 0)
+        tail = self.config.read_tail()
+        if tail == self.target_id:
+            return Retry(NotCommitted("pending at new tail")) if c.pending.maybe_visible else ServeVersion(c.committed)
+        self._queries += 1
+        return AskTail(tail, VersionQuery(self.chain_id, self.chain_version, chunk_id, self.target_id, self._queries))
+
+    def answer_version_query(self, q: VersionQuery) -> VersionReply:
+        """The read tail's answer to :class:`VersionQuery` (pure)."""
+        refusal = self._read_refusal(q.chain_version)
+        if refusal is None and self.config.read_tail() != self.target_id:
+            refusal = Retry(StaleRouting("not the read tail"))
+        c = self._chunks.get(q.chunk_id) or _Chunk(q.chunk_id)
+        if refusal is None and c.pending is not None and c.pending.maybe_visible:
+            refusal = Retry(NotCommitted("pending at new tail"))
+        if refusal is not None:
+            return VersionReply(self.chain_id, self.chain_version, q.chunk_id, q.query_id, errno=refusal.error.errno)
+        return VersionReply(self.chain_id, self.chain_version, q.chunk_id, q.query_id, c.committed)
+
+    def decide_with_tail(self, chunk_id: ChunkId, reply: VersionReply) -> ServeVersion | Retry:
+        """Given the tail's answer, serve that version if this member still holds it."""
+        if reply.errno:
+            return Retry(KvfsError("tail refused version query", reply.errno))
+        if reply.chain_version != self.chain_version:
+            return Retry(StaleRouting("chain changed during read"))
+        c = self._chunks.get(chunk_id) or _Chunk(chunk_id)
+        v = reply.committed_version
+        if v == c.committed or (c.pending is not None and c.pending.persisted and c.pending.update.version == v):
+            return ServeVersion(v)
+        return Retry(NotCommitted("version moved on during read"))
+
+    # ----------------------------------------------------------------------------------------- handle
+
+    def handle(self, event: Event) -> list[Effect]:
+        """Feed one input; returns the effects to execute, in order."""
+        if isinstance(event, Configure):
+            return self._configure(event)
+        if isinstance(event, Tick):
+            return self._tick(event.now)
+        if isinstance(event, Persisted):
+            return self._dispatch(self._chunk(event.chunk_id), event)
+        if isinstance(event, Msg):
+            if event.chain_id != self.chain_id:
+                raise ProtocolError(f"chain {event.chain_id} message at member of chain {self.chain_id}")
+            if self.config is None or event.chain_version != self.chain_version or self.state not in _IN_CHAIN:
+                return self._refuse_stale(event)
+            if isinstance(event, SyncQuery):
+                return self._sync_query(event)
+            if isinstance(event, SyncState):
+                return self._sync_state(event)
+            if isinstance(event, (WriteReq, UpdateReq, UpdateAck)):
+                return self._dispatch(self._chunk(event.chunk_id), event)
+        raise ProtocolError(f"unexpected event {type(event).__name__}")
+
+    def _dispatch(self, c: _Chunk, event: Event) -> list[Effect]:
+        action = _TRANSITIONS.get((c.phase, type(event)))
+        if action is None:
+            raise ProtocolError(f"{type(event).__name__} not expected for a {c.phase.value} chunk")
+        return action(self, c, event)
+
+    # ---------------------------------------------------------------------------------- client writes
+
+    def _write(self, c: _Chunk, w: WriteReq) -> list[Effect]:
+        """A client write at the head: start it, attach it to the same pending write, or queue it."""
+        if self._write_chain()[0] != self.target_id:
+            raise ProtocolError(f"write for chunk {w.chunk_id} at non-head target {self.target_id}")
+        if crc32c(w.data or b"") != w.crc:
+            return [self._reply(w.chunk_id, (w.client_id, w.request_id), ChecksumMismatch("write data CRC"))]
+        key = (w.client_id, w.request_id)
+        if c.pending is not None and (c.pending.update.client_id, c.pending.update.request_id) == key:
+            if key not in c.pending.waiters:
+                c.pending.waiters.append(key)
+            return []
+        if c.requests.get(w.client_id, -1) >= w.request_id:
+            return [self._reply(w.chunk_id, key, None, c.committed)]  # retry of a write already applied
+        if c.pending is not None:
+            if all((q.client_id, q.request_id) != key for q in c.queue):
+                c.queue.append(w)
+            return []
+        return self._start(c, w)
+
+    def _start(self, c: _Chunk, w: WriteReq) -> list[Effect]:
+        u = UpdateReq(
+            self.chain_id, self.chain_version, w.chunk_id, self.target_id, c.committed + 1, w.offset, w.crc,
+            client_id=w.client_id, request_id=w.request_id, data=w.data,
+        )
+        effects = self._accept(c, u)
+        c.pending.waiters.append((w.client_id, w.request_id))
+        return effects
+
+    def _reply(self, chunk_id: ChunkId, key: tuple[int, int], error: KvfsError | None, version: int = 0) -> Effect:
+        errno, message = (error.errno, error.message) if error else (0, "")
+        return ReplyClient(WriteResp(self.chain_id, self.chain_version, chunk_id, *key, errno, message, version))
+
+    # -------------------------------------------------------------------------------------- updates
+
+    def _update(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
+        """An update from the predecessor (rule 3)."""
+        chain = self._write_chain()
+        i = chain.index(self.target_id)
+        if i == 0 or chain[i - 1] != u.from_target:
+            raise ProtocolError(f"update from {u.from_target}, not the predecessor of {self.target_id}")
+        if crc32c(u.data or b"") != u.crc:
+            return [self._ack(u, AckStatus.CHECKSUM, c)]
+        p = c.pending
+        if p is not None and not p.orphan and u.version == p.update.version:
+            # retransmit: forward again if we already did (the successor may have missed it)
+            return self._forward(c) if p.persisted and self._successor() else []
+        if p is None and u.version == c.committed and (c.fresh or not u.full_replace):
+            return [self._ack(u, AckStatus.OK, c)]  # already committed here; our ack was lost
+        if u.sync and c.fresh and u.version < c.committed:
+            return [self._ack(u, AckStatus.OK, c)]  # the live chain already wrote a newer version
+        if p is not None:
+            if not p.persisted or p.orphan:
+                return [self._ack(u, AckStatus.BUSY, c)]
+            if not (u.full_replace and u.version > p.update.version):
+                return [self._ack(u, AckStatus.VERSION_GAP, c)]
+        elif not (u.version == c.committed + 1 or (u.full_replace and (not c.fresh or u.version > c.committed))):
+            return [self._ack(u, AckStatus.VERSION_GAP, c)]
+        c.fresh = True
+        return self._accept(c, u)
+
+    def _accept(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
+        if u.full_replace and u.requests is not None:
+            c.requests = dict(u.requests)
+        if u.client_id:
+            c.requests[u.client_id] = max(c.requests.get(u.client_id, -1), u.request_id)
+        c.pending = _Pending(u)
+        return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(c.requests))]
+
+    def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
+        if e.version != c.pending.update.version:
+            raise ProtocolError(f"persisted version {e.version}, pending is {c.pending.update.version}")
+        if c.pending.orphan:
+            c.pending = None  # the engine's pending version is garbage; the next full replace overwrites it
+            return []
+        c.pending.persisted, c.pending.chunk_crc, c.pending.chunk_len = True, e.chunk_crc, e.chunk_len
+        if self.state not in _IN_CHAIN:
+            return []
+        return self._forward(c) if self._successor() else self._commit(c)
+
+    def _forward(self, c: _Chunk) -> list[Effect]:
+        """Send the (persisted) pending version on: as received to a serving successor, whole to a syncing
+        one (or when only the engine has the bytes, after a restart)."""
+        succ = self._successor()
+        p = c.pending
+        p.sent_at = self.now
+        if self.config.state_of(succ) is TargetState.SYNCING or p.update.data is None:
+            return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, sync=False))]
+        return [Send(succ, msgspec.structs.replace(p.update, chain_version=self.chain_version, from_target=self.target_id))]
+
+    def _full_update(self, c: _Chunk, version: int, crc: int, sync: bool) -> UpdateReq:
+        """The whole chunk at ``version`` (the driver attaches the bytes): forward to a syncing target,
+        repair of a successor that refused, or (``sync``) a resync copy of a committed version."""
+        u = c.pending.update if c.pending is not None and not sync else None
+        return UpdateReq(
+            self.chain_id, self.chain_version, c.cid, self.target_id, version, 0, crc, full_replace=True,
+            sync=sync, client_id=u.client_id if u else 0, request_id=u.request_id if u else 0,
+            requests=dict(c.requests),
+        )
+
+    def _commit(self, c: _Chunk) -> list[Effect]:
+        """Commit the pending version; ack upstream, or (head) answer the clients and start the next write."""
+        p = c.pending
+        cid = p.update.chunk_id
+        c.committed, c.crc, c.length, c.pending = p.update.version, p.chunk_crc, p.chunk_len, None
+        effects: list[Effect] = [Commit(cid, c.committed)]
+        pred = self._predecessor()
+        if pred is not None:
+            effects.append(Send(pred, UpdateAck(
+                self.chain_id, self.chain_version, cid, self.target_id, c.committed, AckStatus.OK,
+                c.committed, c.crc, c.length)))
+            return effects
+        effects += [self._reply(cid, key, None, c.committed) for key in p.waiters]
+        while c.queue and c.pending is None:
+            effects += self._write(c, c.queue.popleft())
+        return effects
+
+    def _ack(self, u: UpdateReq, status: AckStatus, c: _Chunk) -> Effect:
+        return Send(u.from_target, UpdateAck(
+            self.chain_id, self.chain_version, u.chunk_id, self.target_id, u.version, status,
+            c.committed, c.crc, c.length, u.sync))
+
+    # ------------------------------------------------------------------------------------------ acks
+
+    def _acked(self, c: _Chunk, a: UpdateAck) -> list[Effect]:
+        if a.from_target != self._successor():
+            raise ProtocolError(f"ack from {a.from_target}, not the successor of {self.target_id}")
+        effects = self._sync_progress(a)
+        p = c.pending
+        if p is None or not p.persisted or a.version != p.update.version:
+            return effects  # an ack of a sync copy, or a late duplicate
+        if a.status is AckStatus.VERSION_GAP:
+            return effects + [SendChunk(a.from_target, self._full_update(c, p.update.version, p.chunk_crc, sync=False))]
+        if a.status is not AckStatus.OK:
+            return effects  # BUSY / CHECKSUM / STALE: the tick retransmits
+        if (a.chunk_crc, a.chunk_len) != (p.chunk_crc, p.chunk_len):
+            effects.append(ReportToMgmtd(ChecksumReport(
+                self.chain_id, self.chain_version, a.chunk_id, self.target_id, a.from_target, a.version)))
+        return effects + self._commit(c)
+
+    # ---------------------------------------------------------------------------------- reconfiguration
+
+    def _configure(self, e: Configure) -> list[Effect]:
+        cfg = e.config
+        if cfg.chain_id != self.chain_id:
+            raise ProtocolError(f"config of chain {cfg.chain_id} at member of chain {self.chain_id}")
+        if cfg.chain_version < self.chain_version:
+            return []
+        self.lease_until = max(self.lease_until, e.lease_until) if cfg.chain_version == self.chain_version else e.lease_until
+        if cfg.chain_version == self.chain_version:
+            return []
+        was_syncing = self.state is TargetState.SYNCING
+        self.config = cfg
+        self._sync = None
+        effects: list[Effect] = []
+        state = self.state
+        if state is TargetState.SYNCING and not was_syncing:
+            # Our data may be from before a partition: resync decides per chunk; pending writes are not ours
+            # to finish (the chain went on without us and may have reused their versions for other writes).
+            for c in self._chunks.values():
+                c.fresh = False
+                if c.pending is not None and c.pending.persisted:
+                    c.pending = None
+                elif c.pending is not None:
+                    c.pending.orphan = True
+        in_chain = state in _IN_CHAIN
+        is_head = in_chain and self._write_chain()[0] == self.target_id
+        is_tail = cfg.read_tail() == self.target_id
+        for cid, c in self._chunks.items():
+            p = c.pending
+            if p is not None:
+                p.maybe_visible = p.maybe_visible or is_tail
+                if not is_head:
+                    effects += [self._reply(cid, key, StaleRouting("head moved")) for key in p.waiters]
+                    p.waiters.clear()
+            if not is_head:
+                effects += [self._reply(cid, (w.client_id, w.request_id), StaleRouting("head moved")) for w in c.queue]
+                c.queue.clear()
+            if in_chain and p is not None and p.persisted:
+                effects += self._forward(c) if self._successor() else self._commit(c)
+        succ = self._successor() if in_chain else None
+        if state is TargetState.SERVING and succ is not None and cfg.state_of(succ) is TargetState.SYNCING:
+            self._sync = _SyncJob(succ, sent_at=self.now)
+            effects.append(Send(succ, SyncQuery(self.chain_id, self.chain_version, self.target_id)))
+        return effects
+
+    def _refuse_stale(self, m: Msg) -> list[Effect]:
+        err = StaleRouting(f"chain version {m.chain_version}, target {self.target_id} has {self.chain_version}")
+        if isinstance(m, WriteReq):
+            return [self._reply(m.chunk_id, (m.client_id, m.request_id), err)]
+        if isinstance(m, UpdateReq):
+            ack = self._ack(m, AckStatus.STALE, self._chunks.get(m.chunk_id) or _Chunk(m.chunk_id))
+            # echo the sender's chain version: the refusal belongs to the sender's view of the chain
+            return [Send(ack.target, msgspec.structs.replace(ack.msg, chain_version=m.chain_version))]
+        return []  # acks and sync messages of another chain version: the sender re-drives
+
+    # ------------------------------------------------------------------------------------------- resync
+
+    def _sync_query(self, q: SyncQuery) -> list[Effect]:
+        if self.state is not TargetState.SYNCING or q.from_target != self._predecessor():
+            raise ProtocolError(f"sync query from {q.from_target} at {self.state} target {self.target_id}")
+        chunks = tuple(ChunkSummary(cid, c.committed, c.crc) for cid, c in sorted(self._chunks.items()))
+        return [Send(q.from_target, SyncState(self.chain_id, self.chain_version, self.target_id, chunks))]
+
+    def _sync_state(self, s: SyncState) -> list[Effect]:
+        job = self._sync
+        if job is None or s.from_target != job.target:
+            raise ProtocolError(f"sync state from {s.from_target} without a sync job")
+        if job.outstanding is not None:
+            return []  # duplicate answer to a retransmitted query
+        theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
+        job.outstanding = set()
+        return self._sync_send(job, [cid for cid, c in self._chunks.items()
+                                     if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)])
+
+    def _sync_send(self, job: _SyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
+        """Copy clean chunks whole; a dirty one is covered by its pending write's full-chunk forward."""
+        job.sent_at = self.now
+        effects: list[Effect] = []
+        for cid in chunk_ids:
+            c = self._chunks[cid]
+            job.outstanding.add(cid)
+            if c.pending is None:
+                effects.append(SendChunk(job.target, self._full_update(c, c.committed, c.crc, sync=True)))
+        return effects + self._sync_maybe_done(job)
+
+    def _sync_progress(self, a: UpdateAck) -> list[Effect]:
+        job = self._sync
+        if job is None or job.outstanding is None or a.status is not AckStatus.OK or a.chunk_id not in job.outstanding:
+            return []
+        if a.committed_version < self._chunks[a.chunk_id].committed:
+            return []  # confirms an older copy than we hold now; wait for the newer one
+        job.outstanding.discard(a.chunk_id)
+        return self._sync_maybe_done(job)
+
+    def _sync_maybe_done(self, job: _SyncJob) -> list[Effect]:
+        if job.outstanding:
+            return []
+        return [ReportToMgmtd(SyncDone(self.chain_id, self.chain_version, job.target))]
+
+    # --------------------------------------------------------------------------------------------- tick
+
+    def _tick(self, now: float) -> list[Effect]:
+        self.now = now
+        if self.state not in _IN_CHAIN:
+            return []
+        effects: list[Effect] = []
+        due = now - self.retransmit_after
+        if self._successor() is not None:
+            for c in self._chunks.values():
+                if c.pending is not None and c.pending.persisted and c.pending.sent_at <= due:
+                    effects += self._forward(c)
+        job = self._sync
+        if job is not None and job.sent_at <= due:
+            if job.outstanding is None:
+                job.sent_at = now
+                effects.append(Send(job.target, SyncQuery(self.chain_id, self.chain_version, self.target_id)))
+            else:  # resend what is unconfirmed; SyncDone again if mgmtd has not acted on it yet
+                effects += self._sync_send(job, sorted(job.outstanding))
+        return effects
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def _chunk(self, cid: ChunkId) -> _Chunk:
+        c = self._chunks.get(cid)
+        if c is None:
+            c = self._chunks[cid] = _Chunk(cid)
+        return c
+
+    def _write_chain(self) -> list[int]:
+        return self.config.write_chain() if self.config else []
+
+    def _neighbour(self, step: int) -> int | None:
+        chain = self._write_chain()
+        if self.target_id not in chain:
+            return None
+        i = chain.index(self.target_id) + step
+        return chain[i] if 0 <= i < len(chain) else None
+
+    def _successor(self) -> int | None:
+        return self._neighbour(1)
+
+    def _predecessor(self) -> int | None:
+        return self._neighbour(-1)
+
+    def _read_refusal(self, chain_version: int) -> Retry | None:
+        if self.config is None or chain_version != self.chain_version:
+            return Retry(StaleRouting(f"chain version {chain_version}, target has {self.chain_version}"))
+        if self.state is not TargetState.SERVING:
+            return Retry(StaleRouting(f"target {self.target_id} is {self.state}"))
+        if self.now >= self.lease_until:
+            return Retry(StaleRouting(f"target {self.target_id} lease expired"))
+        return None
+
+
+_IN_CHAIN = (TargetState.SERVING, TargetState.SYNCING)
+
+# (chunk phase, event type) -> action. A missing pair is a protocol error.
+_TRANSITIONS: dict[tuple[Phase, type], Callable[[ChainMember, _Chunk, Event], list[Effect]]] = {
+    (Phase.CLEAN, WriteReq): ChainMember._write,  # head: start (or answer a retry from the table)
+    (Phase.PERSISTING, WriteReq): ChainMember._write,  # head: attach a retry, or queue
+    (Phase.FORWARDED, WriteReq): ChainMember._write,
+    (Phase.CLEAN, UpdateReq): ChainMember._update,  # accept next version / full replace, or refuse
+    (Phase.PERSISTING, UpdateReq): ChainMember._update,  # retransmit of the pending one, else BUSY
+    (Phase.FORWARDED, UpdateReq): ChainMember._update,  # retransmit: forward again
+    (Phase.PERSISTING, Persisted): ChainMember._persisted,  # forward, or (end of chain) commit and ack
+    (Phase.FORWARDED, UpdateAck): ChainMember._acked,  # commit and ack upstream / answer clients
+    (Phase.CLEAN, UpdateAck): ChainMember._acked,  # sync copy confirmed, or a late duplicate
+    (Phase.PERSISTING, UpdateAck): ChainMember._acked,  # a late duplicate of the previous version
+}
