@@ -1,0 +1,83 @@
+"""Clients of the metadata service with the same async surface: one over RPC, one in-process.
+
+Both expose every operation of :class:`meta.store.MetaStore` as an async method with the same name and
+arguments (``await meta.lookup(caller, parent, name)``), so the mount and kvclient do not care whether the
+store is across the network or in the same process.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
+from kvfs.rpc import RpcClient
+from meta.rpc import OPS
+from meta.store import MetaStore
+from meta.types import Caller
+
+
+class RemoteMeta:
+    """Calls any of several ``kvfs meta`` instances; a dead instance is skipped for the next one."""
+
+    def __init__(self, client: RpcClient, addresses: Sequence[str], *, failover_rounds: int = 20) -> None:
+        if not addresses:
+            raise ValueError("no metadata service address configured")
+        self._client = client
+        self._addresses = list(addresses)
+        self._next = itertools.cycle(range(len(self._addresses)))
+        self._current = next(self._next)
+        self._rounds = failover_rounds
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        op = OPS.get(name)
+        if op is None:
+            raise AttributeError(name)
+
+        async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
+            request = op.request(caller, args, kwargs)
+            return (await self._call(op.method, request)).value
+
+        call.__name__ = name
+        return call
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        """Try instances in turn; a call that may have run is retried only if the method is idempotent."""
+        error: Exception | None = None
+        for attempt in range(self._rounds * len(self._addresses)):
+            address = self._addresses[self._current]
+            try:
+                return await self._client.call(address, method, request)
+            except ServiceUnavailable as exc:  # never reached the service: safe to go elsewhere
+                error = exc
+            except (ConnectionLost, RpcTimeout) as exc:
+                if not method.idempotent:
+                    raise
+                error = exc
+            self._current = next(self._next)
+            if self._current == 0:
+                await trio.sleep(min(0.05 * (1 + attempt // len(self._addresses)), 0.5))
+        assert error is not None
+        raise error
+
+
+class LocalMeta:
+    """The same surface over a store in this process; operations run in worker threads."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        if name not in OPS:
+            raise AttributeError(name)
+        fn = getattr(self.store, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+        call.__name__ = name
+        return call

@@ -1,0 +1,101 @@
+"""The metadata service's wire surface, derived from :class:`meta.store.MetaStore` itself.
+
+Each public operation of the store becomes one RPC method whose request struct holds the operation's
+parameters (typed from its annotations) and whose response struct holds its return value. Deriving them keeps
+the store the single place an operation is defined: the service and the client cannot drift from it.
+Method ids are positions in :data:`OPERATIONS`, so new operations are appended, never inserted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvfs.wire import Method
+from meta.store import MetaStore
+from meta.types import Caller
+
+#: Every operation served over RPC, in method-id order (append only), and whether a blind retry is safe.
+OPERATIONS: tuple[tuple[str, bool], ...] = (
+    ("lookup", True),
+    ("getattr", True),
+    ("setattr", False),
+    ("create", False),
+    ("mknod", False),
+    ("mkdir", False),
+    ("unlink", False),
+    ("rmdir", False),
+    ("symlink", False),
+    ("readlink", True),
+    ("link", False),
+    ("rename", False),
+    ("readdir", True),
+    ("statfs", True),
+    ("getxattr", True),
+    ("setxattr", False),
+    ("listxattr", True),
+    ("removexattr", False),
+    ("open", False),
+    ("close", False),
+    ("report_length", True),
+    ("set_length", True),
+    ("get_layout", True),
+    ("set_layout", False),
+    ("resolve", True),
+)
+METHOD_BASE = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    name: str
+    method: Method
+    signature: inspect.Signature
+    params: tuple[str, ...]
+
+    def request(self, caller: Caller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> msgspec.Struct:
+        bound = self.signature.bind(None, caller, *args, **kwargs)
+        bound.apply_defaults()
+        return self.method.request(**{name: bound.arguments[name] for name in ("caller", *self.params)})
+
+
+def _wire_type(hint: Any) -> Any:
+    """Names arrive as ``bytes | str`` in the store; on the wire they are always bytes (msgpack can't tell)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and {bytes, str} <= set(typing.get_args(hint)):
+        rest = [a for a in typing.get_args(hint) if a not in (bytes, str)]
+        return functools.reduce(operator.or_, rest, bytes)
+    return hint
+
+
+def _derive(name: str, position: int, idempotent: bool) -> Operation:
+    fn = getattr(MetaStore, name)
+    signature = inspect.signature(fn)
+    hints = typing.get_type_hints(fn)
+    params = [p for p in signature.parameters.values()][2:]  # skip self, caller
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [("caller", Caller)]
+    for p in params:
+        kind = _wire_type(hints.get(p.name, Any))
+        fields.append((p.name, kind) if p.default is inspect.Parameter.empty else (p.name, kind, p.default))
+    title = "".join(part.title() for part in name.split("_"))
+    request = msgspec.defstruct(f"{title}Request", fields, kw_only=True, module=__name__)
+    response = msgspec.defstruct(f"{title}Response", [("value", hints.get("return", Any))], module=__name__)
+    method = Method(METHOD_BASE + position, f"meta.{name}", request, response, idempotent=idempotent)
+    return Operation(name, method, signature, tuple(p.name for p in params))
+
+
+def _available() -> dict[str, Operation]:
+    ops = {}
+    for position, (name, idempotent) in enumerate(OPERATIONS):
+        if hasattr(MetaStore, name):
+            ops[name] = _derive(name, position, idempotent)
+    return ops
+
+
+OPS: dict[str, Operation] = _available()
