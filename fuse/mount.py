@@ -1,0 +1,135 @@
+"""Mounting: option set, the trio main loop, readahead, signals and clean unmount.
+
+pyfuse3 keeps one session per process, so one process serves one mount.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from .ops import KvfsOperations
+
+log = logging.getLogger(__name__)
+
+
+def mount_options(*, allow_other: bool = True, extra: Iterable[str] = ()) -> set[str]:
+    """The mount options kvfs uses.  No ``default_permissions``: meta checks every caller itself
+    (DESIGN.md, Security), with the caller's uid, gid and supplementary groups.
+
+    No ``max_read=``: libfuse refuses it unless the init handler sets the same value, which pyfuse3
+    does not let us do; without it the kernel's read size is bounded only by max_pages, and libfuse
+    negotiates max_write = max_pages * page size = 1 MiB by itself."""
+    opts = {"fsname=kvfs", "subtype=kvfs"}
+    if allow_other:
+        opts.add("allow_other")
+    opts.update(extra)
+    return opts
+
+
+def _mount_dev(mountpoint: str) -> str | None:
+    """'major:minor' of the FUSE mount at ``mountpoint``, from /proc/self/mountinfo (no stat: the
+    filesystem may not answer yet: pass a path resolved before mounting)."""
+    target = os.path.abspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 4 and parts[4].encode().decode("unicode_escape") == target:
+            found = parts[2]  # the last one mounted there wins
+    return found
+
+
+def set_read_ahead(mountpoint: str, kib: int) -> bool:
+    """Raise the mount's readahead (``/sys/class/bdi/<dev>/read_ahead_kb``); False if not possible.
+    ``mountpoint`` must be an absolute, resolved path (nothing here touches the mounted filesystem)."""
+    dev = _mount_dev(mountpoint)
+    if dev is None:
+        return False
+    try:
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(kib))
+        return True
+    except OSError as e:
+        log.info("could not set read_ahead_kb for %s: %s", mountpoint, e)
+        return False
+
+
+def force_unmount(path: str) -> bool:
+    """Lazily unmount ``path`` (what a crashed daemon leaves behind); True if something was unmounted."""
+    for cmd in (["fusermount3", "-u", "-z", path], ["fusermount", "-u", "-z", path], ["umount", "-l", path]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if r.returncode == 0:
+            return True
+    return False
+
+
+async def run_mount(
+    meta: Any,
+    storage: Any,
+    mountpoint: str,
+    *,
+    allow_other: bool = True,
+    read_ahead_kb: int = 4096,
+    extra_options: Iterable[str] = (),
+    handle_signals: bool = True,
+    task_status=trio.TASK_STATUS_IGNORED,
+    **ops_options: Any,
+) -> None:
+    """Mount kvfs at ``mountpoint`` and serve until unmounted or, with ``handle_signals``, until
+    SIGTERM/SIGINT (dirty buffers are written out, then the mount is removed).
+
+    ``ops_options`` go to :class:`KvfsOperations` (entry_timeout, attr_timeout, negative_timeout,
+    write_buffer, read_parallel, readdir_page, keep_cache).  ``task_status.started()`` is called once the
+    mount exists, so ``await nursery.start(run_mount, ...)`` returns when it may be used."""
+    ops = KvfsOperations(meta, storage, **ops_options)
+    mountpoint = os.path.realpath(mountpoint)  # resolve now: after mounting, a stat would wait for us
+    pyfuse3.init(ops, mountpoint, mount_options(allow_other=allow_other, extra=extra_options))
+    try:
+        async with trio.open_nursery() as nursery:
+            if handle_signals:
+                nursery.start_soon(_on_signals, ops, nursery.cancel_scope)
+            if read_ahead_kb:
+                nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
+            task_status.started(ops)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()  # unmounted from outside (fusermount -u): stop the watcher
+    finally:
+        try:
+            pyfuse3.close(unmount=True)
+        except Exception:
+            log.exception("pyfuse3.close")
+
+
+async def _raise_read_ahead(ops: KvfsOperations, mountpoint: str, kib: int) -> None:
+    """The kernel sets the bdi's readahead from the INIT reply, so raise it only after INIT is done."""
+    with trio.move_on_after(30):
+        await ops.initialized.wait()
+        await trio.sleep(0.2)  # the reply is written right after init() returns
+        set_read_ahead(mountpoint, kib)
+
+
+async def _on_signals(ops: KvfsOperations, scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal %d: flushing and unmounting", signum)
+            with trio.move_on_after(10):
+                await ops.flush_all()
+            pyfuse3.terminate()
+            await trio.sleep(5)  # main() normally returns at once; if a request hangs, stop anyway
+            scope.cancel()
+            return

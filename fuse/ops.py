@@ -1,0 +1,600 @@
+"""pyfuse3 low-level operations over two injected collaborators.
+
+* ``meta``: any object with the async methods of :class:`meta.store.MetaStore` (``meta.client.RemoteMeta``
+  over RPC, ``meta.client.LocalMeta`` in process). Every call passes the requester's :class:`Caller`
+  (uid, gid, supplementary gids, pid) so meta enforces POSIX permissions; the mount does not use the
+  kernel's ``default_permissions``.
+* ``storage``: a :class:`kvfs.storage.FileStorage` (read/write/truncate by inode + layout + offset).
+
+Inodes map one to one to meta's inode ids (the root is inode 1 in both). Errors: a
+:class:`~kvfs.errors.KvfsError` (any ``OSError``) becomes ``FUSEError(errno)``; anything else is logged and
+becomes EIO. See ``fuse/README.md`` for caching, buffering and consistency.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyfuse3
+import trio
+
+from meta.types import Attr, Caller, Layout
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+R_OK, W_OK, X_OK = 4, 2, 1
+_NOW_WINDOW_NS = 2_000_000_000  # see setattr: pyfuse3 turns UTIME_NOW into a timestamp
+
+
+def _fuse_errors(fn):
+    """Translate exceptions from meta/storage into FUSEError; never let one escape into pyfuse3."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:  # KvfsError is an OSError carrying the errno a kernel would give
+            code = e.errno or errno.EIO
+            if code == errno.EIO:
+                log.warning("%s%r failed: %s", fn.__name__, args[:2], e)
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            log.exception("%s%r crashed", fn.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+@dataclass(eq=False)
+class _InodeState:
+    """What the mount knows about a file it has open: shared by all its handles."""
+
+    ino: int
+    layout: Layout
+    size: int  # the length as this mount knows it: meta's, extended by local writes, set by truncate
+    handles: set = field(default_factory=set)
+
+    def dirty(self) -> bool:
+        return any(h.buf_len for h in self.handles)
+
+
+@dataclass(eq=False)
+class _Handle:
+    fh: int
+    state: _InodeState
+    flags: int
+    caller: Caller
+    session: int | None
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    buf: bytearray = field(default_factory=bytearray)
+    buf_off: int = 0
+    buf_len: int = 0
+    error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
+    reported: int = -1  # the end offset last reported to meta
+
+
+@dataclass(eq=False)
+class _DirHandle:
+    ino: int
+    caller: Caller
+    base: int = 0  # readdir offset of entries[0]
+    entries: list = field(default_factory=list)  # (name, Attr)
+    cookie: bytes = b""
+    eof: bool = False
+    dots: bool = False
+
+
+class KvfsOperations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self,
+        meta: Any,
+        storage: Any,
+        *,
+        entry_timeout: float = 1.0,
+        attr_timeout: float = 1.0,
+        negative_timeout: float = 1.0,
+        write_buffer: int = 8 * MIB,
+        read_parallel: int = 8,
+        readdir_page: int = 512,
+        keep_cache: bool = False,
+        groups_ttl: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.meta = meta
+        self.storage = storage
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.negative_timeout = negative_timeout
+        self.write_buffer = write_buffer
+        self.read_limit = trio.CapacityLimiter(read_parallel)
+        self.write_limit = trio.CapacityLimiter(read_parallel)
+        self.readdir_page = readdir_page
+        self.keep_cache = keep_cache
+        self.groups_ttl = groups_ttl
+        self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
+        self._layouts: OrderedDict[int, Layout] = OrderedDict()
+        self._inodes: dict[int, _InodeState] = {}
+        self._handles: dict[int, _Handle] = {}
+        self._dirs: dict[int, _DirHandle] = {}
+        self._next_fh = 1
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        """Called (synchronously, in the trio thread) when the kernel's INIT arrives."""
+        self.initialized.set()
+
+    # ------------------------------------------------------------------ identity ----------
+    def _caller(self, ctx: pyfuse3.RequestContext) -> Caller:
+        """The requester's credentials; supplementary groups from /proc/<pid>/status, cached briefly."""
+        key = (ctx.pid, ctx.uid)
+        now = time.monotonic()
+        hit = self._groups.get(key)
+        if hit is not None and hit[0] > now:
+            gids = hit[1]
+        else:
+            try:
+                gids = tuple(sorted(pyfuse3.get_sup_groups(ctx.pid)))
+            except (OSError, RuntimeError, ValueError):
+                gids = ()  # the process is gone, or a kernel thread: only its primary group counts
+            self._groups[key] = (now + self.groups_ttl, gids)
+            self._groups.move_to_end(key)
+            while len(self._groups) > 4096:
+                self._groups.popitem(last=False)
+        return Caller(ctx.uid, ctx.gid, gids, ctx.pid)
+
+    # ------------------------------------------------------------------ attributes --------
+    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = attr.ino
+        e.generation = attr.generation
+        e.st_mode = attr.mode
+        e.st_nlink = attr.nlink
+        e.st_uid = attr.uid
+        e.st_gid = attr.gid
+        e.st_rdev = attr.rdev
+        size = attr.size
+        st = self._inodes.get(attr.ino)
+        if st is not None and stat.S_ISREG(attr.mode):
+            # Buffered or unreported local writes make the local length the better one; otherwise
+            # meta's length wins (another client may have changed it).
+            if st.dirty():
+                size = max(size, st.size)
+            else:
+                st.size = size
+        e.st_size = size
+        e.st_blksize = attr.blksize or MIB
+        e.st_blocks = (size + 511) // 512 if size != attr.size else attr.blocks
+        e.st_atime_ns = attr.atime_ns
+        e.st_mtime_ns = attr.mtime_ns
+        e.st_ctime_ns = attr.ctime_ns
+        e.entry_timeout = self.entry_timeout
+        e.attr_timeout = self.attr_timeout
+        return e
+
+    async def _layout(self, caller: Caller, ino: int) -> Layout:
+        layout = self._layouts.get(ino)
+        if layout is None:
+            layout = await self.meta.get_layout(caller, ino)
+            self._layouts[ino] = layout
+            while len(self._layouts) > 65536:
+                self._layouts.popitem(last=False)
+        return layout
+
+    # ------------------------------------------------------------------ namespace ---------
+    @_fuse_errors
+    async def lookup(self, parent_inode, name, ctx):
+        try:
+            attr = await self.meta.lookup(self._caller(ctx), parent_inode, name)
+        except OSError as e:
+            if e.errno == errno.ENOENT and self.negative_timeout > 0:
+                neg = pyfuse3.EntryAttributes()
+                neg.st_ino = 0  # a negative entry: the kernel remembers the name is absent
+                neg.entry_timeout = self.negative_timeout
+                return neg
+            raise
+        return self._entry(attr)
+
+    @_fuse_errors
+    async def getattr(self, inode, ctx):
+        return self._entry(await self.meta.getattr(self._caller(ctx), inode))
+
+    @_fuse_errors
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        caller = self._caller(ctx)
+        kw: dict[str, Any] = {}
+        if fields.update_mode:
+            kw["mode"] = stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            kw["uid"] = attr.st_uid
+        if fields.update_gid:
+            kw["gid"] = attr.st_gid
+        if fields.update_atime or fields.update_mtime:
+            # pyfuse3 replaces UTIME_NOW by the current time before we see it, and meta needs to know
+            # (setting "now" only needs write access, explicit times need ownership): a time within
+            # a moment of our clock is taken as "now".
+            now = time.time_ns()
+            for name, want, value in (("atime", fields.update_atime, attr.st_atime_ns),
+                                      ("mtime", fields.update_mtime, attr.st_mtime_ns)):
+                if want:
+                    kw[name] = "now" if abs(now - value) < _NOW_WINDOW_NS else value
+        old = new_size = None
+        st = self._inodes.get(inode)
+        if fields.update_size:
+            new_size = attr.st_size
+            if st is not None:
+                await self._flush_inode(st)
+                old = st.size
+            else:
+                old = (await self.meta.getattr(caller, inode)).size
+            kw["size"] = new_size
+        if not kw:
+            return self._entry(await self.meta.getattr(caller, inode))
+        result = await self.meta.setattr(caller, inode, **kw)
+        if new_size is not None:
+            if st is not None:
+                st.size = new_size
+            if old is not None and new_size < old:
+                layout = st.layout if st is not None else await self._layout(caller, inode)
+                await self.storage.truncate(inode, layout, old, new_size)
+        return self._entry(result)
+
+    @_fuse_errors
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._entry(await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev))
+
+    @_fuse_errors
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return self._entry(await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode))
+
+    @_fuse_errors
+    async def unlink(self, parent_inode, name, ctx):
+        await self.meta.unlink(self._caller(ctx), parent_inode, name)
+
+    @_fuse_errors
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.meta.rmdir(self._caller(ctx), parent_inode, name)
+
+    @_fuse_errors
+    async def symlink(self, parent_inode, name, target, ctx):
+        return self._entry(await self.meta.symlink(self._caller(ctx), parent_inode, name, target))
+
+    @_fuse_errors
+    async def readlink(self, inode, ctx):
+        return await self.meta.readlink(self._caller(ctx), inode)
+
+    @_fuse_errors
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._entry(await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name))
+
+    @_fuse_errors
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        # pyfuse3.RENAME_NOREPLACE/EXCHANGE are Linux's values, which meta uses too
+        await self.meta.rename(self._caller(ctx), parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    async def forget(self, inode_list):
+        for ino, _ in inode_list:
+            if ino not in self._inodes:
+                self._layouts.pop(ino, None)
+
+    @_fuse_errors
+    async def access(self, inode, mode, ctx):
+        caller = self._caller(ctx)
+        if _has_op(self.meta, "access"):
+            return (await self.meta.access(caller, inode, mode)) is not False
+        attr = await self.meta.getattr(caller, inode)
+        return _allowed(caller, attr, mode)
+
+    @_fuse_errors
+    async def statfs(self, ctx):
+        s = await self.meta.statfs(self._caller(ctx))
+        out = pyfuse3.StatvfsData()
+        bsize = s.bsize or 4096
+        try:
+            total, free = await self.storage.capacity()
+            blocks, bfree = total // bsize, free // bsize
+        except OSError:
+            blocks, bfree = s.blocks, s.bfree
+        out.f_bsize = bsize
+        out.f_frsize = s.frsize or bsize
+        out.f_blocks = blocks
+        out.f_bfree = bfree
+        out.f_bavail = bfree
+        out.f_files = s.files + s.ffree
+        out.f_ffree = s.ffree
+        out.f_favail = s.ffree
+        out.f_namemax = s.namemax
+        return out
+
+    # ------------------------------------------------------------------ xattrs ------------
+    @_fuse_errors
+    async def setxattr(self, inode, name, value, ctx):
+        await self.meta.setxattr(self._caller(ctx), inode, name, value)
+
+    @_fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        return await self.meta.getxattr(self._caller(ctx), inode, name)
+
+    @_fuse_errors
+    async def listxattr(self, inode, ctx):
+        return await self.meta.listxattr(self._caller(ctx), inode)
+
+    @_fuse_errors
+    async def removexattr(self, inode, name, ctx):
+        await self.meta.removexattr(self._caller(ctx), inode, name)
+
+    # ------------------------------------------------------------------ directories -------
+    @_fuse_errors
+    async def opendir(self, inode, ctx):
+        caller = self._caller(ctx)
+        await self.meta.open(caller, inode, os.O_RDONLY | os.O_DIRECTORY)  # read permission, ENOTDIR
+        fh = self._new_fh()
+        self._dirs[fh] = _DirHandle(inode, caller)
+        return fh
+
+    @_fuse_errors
+    async def readdir(self, fh, start_id, token):
+        d = self._dirs[fh]
+        if start_id < d.base:  # rewinddir (or a seek backwards): list again from the start
+            d.base, d.entries, d.cookie, d.eof, d.dots = 0, [], b"", False, False
+        if not d.dots:
+            here = await self.meta.getattr(d.caller, d.ino)
+            up = await self.meta.lookup(d.caller, d.ino, b"..")
+            d.entries[:0] = [(b".", here), (b"..", up)]
+            d.dots = True
+        while True:
+            skip = start_id - d.base
+            if skip > 0:  # the kernel has everything before start_id: forget it
+                del d.entries[:skip]
+                d.base = start_id
+            while d.entries:
+                name, attr = d.entries[0]
+                if not pyfuse3.readdir_reply(token, name, self._entry(attr), start_id + 1):
+                    return
+                start_id += 1
+                del d.entries[0]
+                d.base = start_id
+            if d.eof:
+                return
+            page = await self.meta.readdir(d.caller, d.ino, d.cookie, self.readdir_page)
+            d.entries.extend((e.name, e.attr) for e in page.entries)
+            d.cookie, d.eof = page.cookie, page.eof
+
+    @_fuse_errors
+    async def releasedir(self, fh):
+        self._dirs.pop(fh, None)
+
+    @_fuse_errors
+    async def fsyncdir(self, fh, datasync):
+        pass  # every namespace change is one committed meta transaction already
+
+    # ------------------------------------------------------------------ files -------------
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    async def _attach(self, caller: Caller, attr: Attr, flags: int, session: int | None) -> pyfuse3.FileInfo:
+        st = self._inodes.get(attr.ino)
+        if st is None:
+            layout = await self._layout(caller, attr.ino)
+            st = self._inodes.get(attr.ino)  # another open may have raced us
+            if st is None:
+                st = self._inodes[attr.ino] = _InodeState(attr.ino, layout, attr.size)
+        if not st.dirty():
+            st.size = attr.size
+        h = _Handle(self._new_fh(), st, flags, caller, session)
+        st.handles.add(h)
+        self._handles[h.fh] = h
+        fi = pyfuse3.FileInfo(fh=h.fh)
+        fi.keep_cache = self.keep_cache
+        fi.direct_io = False
+        return fi
+
+    @_fuse_errors
+    async def open(self, inode, flags, ctx):
+        caller = self._caller(ctx)
+        old = None
+        if flags & os.O_TRUNC:
+            st = self._inodes.get(inode)
+            if st is not None:
+                await self._flush_inode(st)
+                old = st.size
+            else:
+                old = (await self.meta.getattr(caller, inode)).size
+        opened = await self.meta.open(caller, inode, flags)
+        fi = await self._attach(caller, opened.attr, flags, opened.session)
+        if flags & os.O_TRUNC and stat.S_ISREG(opened.attr.mode):
+            st = self._inodes[inode]
+            st.size = 0
+            if old:
+                await self.storage.truncate(inode, st.layout, old, 0)
+        return fi
+
+    @_fuse_errors
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        caller = self._caller(ctx)
+        opened = await self.meta.create(caller, parent_inode, name, mode, flags)
+        fi = await self._attach(caller, opened.attr, flags, opened.session)
+        return fi, self._entry(opened.attr)
+
+    def _handle(self, fh: int) -> _Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return h
+
+    @_fuse_errors
+    async def read(self, fh, off, size):
+        h = self._handle(fh)
+        st = h.state
+        if st.dirty():
+            await self._flush_inode(st)
+        end = min(off + size, st.size)
+        if end <= off:
+            return b""
+        out = bytearray(end - off)
+        view = memoryview(out)
+        pieces = list(_chunk_pieces(st.layout.chunk_size, off, end - off))
+        if len(pieces) == 1:
+            await self.storage.read(st.ino, st.layout, off, view)
+        else:
+            async def one(p_off: int, b: int, n: int) -> None:
+                async with self.read_limit:
+                    await self.storage.read(st.ino, st.layout, p_off, view[b:b + n])
+
+            async with trio.open_nursery() as nursery:
+                for p_off, b, n in pieces:
+                    nursery.start_soon(one, p_off, b, n)
+        return out
+
+    @_fuse_errors
+    async def write(self, fh, off, buf):
+        h = self._handle(fh)
+        st = h.state
+        n = len(buf)
+        async with h.lock:
+            if h.error is not None:
+                err, h.error = h.error, None
+                raise err
+            if h.flags & os.O_APPEND and st.size > off:
+                off = st.size  # another writer of this inode appended meanwhile
+            if h.buf_len and (off != h.buf_off + h.buf_len or h.buf_len + n > self.write_buffer):
+                await self._flush_handle(h)
+            if n >= self.write_buffer:
+                await self._write_through(h, off, memoryview(buf))
+            else:
+                if not h.buf_len:
+                    h.buf_off = off
+                    if len(h.buf) < self.write_buffer:
+                        h.buf = bytearray(self.write_buffer)
+                memoryview(h.buf)[h.buf_len:h.buf_len + n] = buf
+                h.buf_len += n
+                st.size = max(st.size, off + n)
+                if h.buf_len >= self.write_buffer:
+                    await self._flush_handle(h)
+        return n
+
+    async def _write_through(self, h: _Handle, off: int, data: memoryview) -> None:
+        st = h.state
+        pieces = list(_chunk_pieces(st.layout.chunk_size, off, len(data)))
+        if len(pieces) == 1:
+            await self.storage.write(st.ino, st.layout, off, data)
+        else:
+            async def one(p_off: int, b: int, n: int) -> None:
+                async with self.write_limit:
+                    await self.storage.write(st.ino, st.layout, p_off, data[b:b + n])
+
+            async with trio.open_nursery() as nursery:
+                for p_off, b, n in pieces:
+                    nursery.start_soon(one, p_off, b, n)
+        end = off + len(data)
+        st.size = max(st.size, end)
+        if h.session is not None:
+            await self.meta.report_length(h.caller, st.ino, h.session, end)
+            h.reported = max(h.reported, end)
+
+    async def _flush_handle(self, h: _Handle) -> None:
+        """Write out the handle's buffer (caller holds h.lock)."""
+        if not h.buf_len:
+            return
+        off, n = h.buf_off, h.buf_len
+        data = memoryview(h.buf)[:n]
+        try:
+            await self._write_through(h, off, data)
+        except BaseException:
+            raise
+        else:
+            h.buf_len = 0
+        finally:
+            data.release()
+
+    async def _flush_inode(self, st: _InodeState) -> None:
+        for h in list(st.handles):
+            if h.buf_len:
+                async with h.lock:
+                    await self._flush_handle(h)
+
+    @_fuse_errors
+    async def flush(self, fh):
+        h = self._handle(fh)
+        await self._flush_inode(h.state)
+        if h.error is not None:
+            err, h.error = h.error, None
+            raise err
+
+    @_fuse_errors
+    async def fsync(self, fh, datasync):
+        h = self._handle(fh)
+        st = h.state
+        await self._flush_inode(st)
+        if h.session is not None:
+            await self.meta.set_length(h.caller, st.ino, h.session, st.size)
+
+    @_fuse_errors
+    async def release(self, fh):
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
+        st = h.state
+        try:
+            await self._flush_inode(st)
+        finally:
+            st.handles.discard(h)
+            if not st.handles:
+                self._inodes.pop(st.ino, None)
+            if h.session is not None:
+                await self.meta.close(h.caller, st.ino, h.session, st.size)
+
+    async def flush_all(self) -> None:
+        """Write out every buffer (before an orderly unmount)."""
+        for st in list(self._inodes.values()):
+            try:
+                await self._flush_inode(st)
+            except Exception:
+                log.exception("flushing inode %d before unmount", st.ino)
+
+
+def _chunk_pieces(chunk_size: int, offset: int, length: int):
+    """(file offset, buffer offset, length) of each chunk-aligned piece of a range."""
+    pos, end = offset, offset + length
+    while pos < end:
+        n = min(chunk_size - pos % chunk_size, end - pos)
+        yield pos, pos - offset, n
+        pos += n
+
+
+def _has_op(meta: Any, name: str) -> bool:
+    try:
+        getattr(meta, name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _allowed(caller: Caller, attr: Attr, want: int) -> bool:
+    """access(2) by mode bits, for a meta without an ``access`` operation (meta still checks every real op)."""
+    want &= 7
+    if caller.uid == 0:
+        return not (want & X_OK and not stat.S_ISDIR(attr.mode) and not attr.mode & 0o111)
+    if caller.uid == attr.uid:
+        bits = attr.mode >> 6
+    elif caller.in_group(attr.gid):
+        bits = attr.mode >> 3
+    else:
+        bits = attr.mode
+    return not (want & ~bits & 7)

@@ -1,0 +1,191 @@
+"""Test harness for the FUSE mount: in-process stand-ins for the remote collaborators, and a server
+entry point the tests start in a subprocess.
+
+* :class:`LocalMeta` turns the synchronous ``meta.store.MetaStore`` into the async interface the mount
+  codes against (the real ``meta.client.RemoteMeta`` exposes the same method names over RPC).
+* :class:`LocalFileStorage` implements ``kvfs.storage.FileStorage`` over one ``ChunkEngine`` directory:
+  chunk ``i`` of a file covers bytes ``[i * chunk_size, (i + 1) * chunk_size)``, one replica, versions
+  taken from ``engine.meta()``. The distributed StorageClient replaces it; the mount knows nothing of it.
+* ``python -m tests.fuse_harness MOUNTPOINT STATE_DIR`` builds both on STATE_DIR and runs the mount
+  until SIGTERM/SIGINT (it prints ``READY`` on stdout once the mount answers).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+from pathlib import Path
+
+import trio
+from crc32c import crc32c
+
+from chunkserver.engine import ChunkEngine, ChunkId
+from kvfs.errors import KvfsError
+
+
+class LocalMeta:
+    """Async facade over a synchronous MetaStore: every method runs in a worker thread."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+        if not callable(method):
+            return method
+
+        async def call(*args, **kwargs):
+            return await trio.to_thread.run_sync(lambda: method(*args, **kwargs))
+
+        call.__name__ = name
+        setattr(self, name, call)
+        return call
+
+
+class LocalFileStorage:
+    """``kvfs.storage.FileStorage`` over a single local ChunkEngine (one replica, no chains)."""
+
+    def __init__(self, engine: ChunkEngine) -> None:
+        self.engine = engine
+        self._locks: dict[ChunkId, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    def _lock(self, cid: ChunkId) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(cid, threading.Lock())
+
+    def _next_version(self, cid: ChunkId) -> int:
+        m = self.engine.meta(cid)
+        if m is None:
+            return 1
+        return max(m.committed_version, m.pending_version or 0) + 1
+
+    @staticmethod
+    def _pieces(chunk_size: int, offset: int, length: int):
+        """(chunk index, offset in chunk, offset in buffer, length) for each chunk a range touches."""
+        pos, end = offset, offset + length
+        while pos < end:
+            idx, off = divmod(pos, chunk_size)
+            n = min(chunk_size - off, end - pos)
+            yield idx, off, pos - offset, n
+            pos += n
+
+    # -- reads
+    def _read_sync(self, ino: int, chunk_size: int, offset: int, into: memoryview) -> int:
+        for idx, off, boff, n in self._pieces(chunk_size, offset, len(into)):
+            dst = into[boff:boff + n]
+            try:
+                got, _ = self.engine.read(ChunkId(ino, idx), off, n, into=dst)
+            except KvfsError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                got = 0
+            if got < n:
+                dst[got:] = bytes(n - got)
+        return len(into)
+
+    async def read(self, ino, layout, offset, into):
+        into = memoryview(into).cast("B")
+        return await trio.to_thread.run_sync(self._read_sync, ino, layout.chunk_size, offset, into)
+
+    # -- writes
+    def _write_sync(self, ino: int, chunk_size: int, offset: int, data: memoryview) -> None:
+        for idx, off, boff, n in self._pieces(chunk_size, offset, len(data)):
+            piece = data[boff:boff + n]
+            cid = ChunkId(ino, idx)
+            with self._lock(cid):
+                version = self._next_version(cid)
+                self.engine.write_pending(cid, version, off, piece, crc32c(piece), chunk_size=chunk_size)
+                self.engine.commit(cid, version)
+
+    async def write(self, ino, layout, offset, data):
+        data = memoryview(data).cast("B")
+        await trio.to_thread.run_sync(self._write_sync, ino, layout.chunk_size, offset, data)
+
+    def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
+        keep = -(-new_length // chunk_size)  # chunks [0, keep) may hold bytes below new_length
+        for m in self.engine.list_chunks(ino):
+            idx = m.chunk_id.index
+            if idx >= keep:
+                self.engine.remove(m.chunk_id)
+            elif idx == keep - 1:
+                tail = new_length - idx * chunk_size
+                with self._lock(m.chunk_id):
+                    cur = self.engine.meta(m.chunk_id)
+                    if cur is not None and cur.length > tail:
+                        self.engine.truncate(m.chunk_id, tail, self._next_version(m.chunk_id))
+
+    async def truncate(self, ino, layout, old_length, new_length):
+        await trio.to_thread.run_sync(self._truncate_sync, ino, layout.chunk_size, new_length)
+
+    async def remove_file(self, ino, layout, length):
+        await trio.to_thread.run_sync(self.engine.remove_file, ino)
+
+    async def capacity(self):
+        total, _used, free = await trio.to_thread.run_sync(self.engine.space)
+        return total, free
+
+
+class StorageChunkRemover:
+    """meta's ChunkRemover (sync, called by its GC) over the same local engine."""
+
+    def __init__(self, engine: ChunkEngine) -> None:
+        self.engine = engine
+
+    def remove_file_chunks(self, ino, layout, length) -> None:
+        self.engine.remove_file(ino)
+
+
+# ---------------------------------------------------------------------------------- server
+def build(state_dir: Path, *, chunk_size: int | None = None):
+    """(meta, storage, engine) over STATE_DIR: a MetaStore on SQLite, a ChunkEngine beside it."""
+    from meta.kv import SqliteDatabase
+    from meta.store import MetaStore
+    from meta.types import Layout
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    engine = ChunkEngine(state_dir / "target", fsync=False)
+    layout = Layout() if chunk_size is None else Layout(chunk_size=chunk_size)
+    store = MetaStore(
+        SqliteDatabase(str(state_dir / "meta.db")),
+        chunk_remover=StorageChunkRemover(engine),
+        space=lambda: engine.space()[::2],
+        root_layout=layout,
+    )
+    store.format(mode=0o755)
+    return LocalMeta(store), LocalFileStorage(engine), engine
+
+
+async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int) -> None:
+    from fuse.mount import run_mount
+
+    meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: run_mount(
+                meta, storage, mountpoint, write_buffer=write_buffer, task_status=task_status))
+            print("READY", flush=True)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+    import logging
+
+    p = argparse.ArgumentParser(description="kvfs test mount: MetaStore on SQLite + one local chunk engine")
+    p.add_argument("mountpoint")
+    p.add_argument("state_dir")
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--write-buffer", type=int, default=8 << 20)
+    p.add_argument("--debug", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.WARNING, stream=sys.stderr)
+    trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main(sys.argv[1:])
