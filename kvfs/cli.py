@@ -59,3 +59,16 @@ def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address:
     config = _load(config_path)
     _fail_cleanly(lambda: serve_meta(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))
 
+
+
+@main.command("mgmtd")
+@_config_option
+@click.option("--listen", default="127.0.0.1:7100", show_default=True, help="RPC address to serve on.")
+@click.option("--http", "http_address", default=None, help="host:port for /metrics and /health.")
+@click.option("--kv-url", default=None, help="KV store URL (sqlite:///file or fdb:///cluster-file).")
+def mgmtd_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None) -> None:
+    """Run a cluster manager (one of several; the lease holder is primary)."""
+    from craq.server import serve_mgmtd
+
+    config = _load(config_path)
+    _fail_cleanly(lambda: serve_mgmtd(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))

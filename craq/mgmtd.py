@@ -1,0 +1,301 @@
+"""``kvfs mgmtd``: the cluster manager service around :class:`craq.cluster.ClusterManager`.
+
+Several instances run; the one holding the lease record in the KV store is primary and the others stand by,
+renewing nothing until the lease lapses. The primary keeps heartbeats in memory and persists the cluster state
+(chains, target placement, node addresses) in the KV store after every change, in a transaction that also checks
+it still holds the lease, so a primary that lost its lease (paused, partitioned) cannot overwrite its successor's
+decisions. A new primary loads the persisted state and gives every node a fresh heartbeat grace period.
+
+Non-primary instances answer every call with :class:`NotPrimary` naming the primary, so clients just try the
+configured addresses in turn (:class:`MgmtdClient`).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import trio
+
+from craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
+from craq.messages import ChecksumReport, SyncDone
+from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
+from kvfs.rpc import CallContext, RpcClient, RpcServer
+from kvfs.wire import Empty, Method
+from meta.kv import Database, Transaction
+from meta.kv.keys import pack
+
+log = logging.getLogger("kvfs.mgmtd")
+
+LEASE_KEY = pack(("mgmtd", "lease"))
+STATE_KEY = pack(("mgmtd", "state"))
+NODE_TARGETS_KEY = pack(("mgmtd", "node_targets"))
+
+
+class NotPrimary(KvfsError):
+    """This mgmtd instance is a standby; ``message`` names the primary when known."""
+
+    default_errno = errno.EAGAIN
+
+
+class Lease(msgspec.Struct, array_like=True):
+    holder: str  # instance id
+    address: str
+    expires: float  # wall clock, seconds
+
+
+class RegisterNode(msgspec.Struct, kw_only=True):
+    node_id: int
+    address: str
+    targets: list[int]
+
+
+class CreateChains(msgspec.Struct, kw_only=True):
+    replicas: int
+
+
+class ChainIds(msgspec.Struct):
+    chain_ids: list[int]
+
+
+class NodeStatus(msgspec.Struct):
+    node_id: int
+    address: str
+    alive: bool
+    seconds_since_heartbeat: float
+    targets: list[int]
+
+
+class ClusterStatus(msgspec.Struct):
+    primary: str
+    nodes: list[NodeStatus]
+    routing: RoutingSnapshot
+
+
+REGISTER = Method(200, "mgmtd.register", RegisterNode, Empty)
+HEARTBEAT = Method(201, "mgmtd.heartbeat", Heartbeat, HeartbeatReply, idempotent=True)
+ROUTING = Method(202, "mgmtd.routing", Empty, RoutingSnapshot, idempotent=True)
+CREATE_CHAINS = Method(203, "mgmtd.create_chains", CreateChains, ChainIds)
+SYNC_DONE = Method(204, "mgmtd.sync_done", SyncDone, Empty, idempotent=True)
+CHECKSUM_REPORT = Method(205, "mgmtd.checksum_report", ChecksumReport, Empty, idempotent=True)
+STATUS = Method(206, "mgmtd.status", Empty, ClusterStatus, idempotent=True)
+
+_state_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClusterState))
+_targets_decoder = msgspec.msgpack.Decoder(dict[int, list[int]])
+_lease_decoder = msgspec.msgpack.Decoder(Lease)
+
+
+class MgmtdService:
+    """One mgmtd instance: lease election, the manager's decisions, and their persistence."""
+
+    def __init__(
+        self,
+        db: Database,
+        server: RpcServer,
+        *,
+        instance_id: str,
+        address: str,
+        heartbeat_timeout: float,
+        lease: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.db = db
+        self.instance_id = instance_id
+        self.address = address
+        self.heartbeat_timeout = heartbeat_timeout
+        self.lease = lease
+        self.clock = clock
+        self.manager: ClusterManager | None = None  # set while primary
+        self.node_targets: dict[int, list[int]] = {}
+        self.primary_address = ""
+        for method, handler in (
+            (REGISTER, self._register),
+            (HEARTBEAT, self._heartbeat),
+            (ROUTING, self._routing),
+            (CREATE_CHAINS, self._create_chains),
+            (SYNC_DONE, self._sync_done),
+            (CHECKSUM_REPORT, self._checksum_report),
+            (STATUS, self._status),
+        ):
+            server.register(method, functools.partial(self._primary_only, handler))
+
+    @property
+    def is_primary(self) -> bool:
+        return self.manager is not None
+
+    # ------------------------------------------------------------------------------------ election
+
+    async def run(self) -> None:
+        """Hold or wait for the lease, and expire dead nodes while primary, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._lease_loop)
+            nursery.start_soon(self._tick_loop)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            try:
+                held, loaded = await trio.to_thread.run_sync(self.db.run, self._try_lease)
+            except KvfsError as exc:
+                log.warning("lease renewal failed: %s", exc)
+                held, loaded = False, None
+            if held and self.manager is None:
+                state, targets = loaded
+                self.node_targets = targets
+                self.manager = ClusterManager(self.heartbeat_timeout, self.lease_for_reads, state)
+                now = self.clock()
+                for node in self.manager.state.nodes.values():  # fresh grace period for everyone
+                    node.last_heartbeat = now
+                log.info("became primary (%d nodes, %d chains)", len(state.nodes), len(state.chains))
+            elif not held and self.manager is not None:
+                log.warning("lost the mgmtd lease to %s; standing by", self.primary_address)
+                self.manager = None
+            await trio.sleep(self.lease / 3)
+
+    @property
+    def lease_for_reads(self) -> float:
+        """Read leases granted to chunk servers: shorter than the failure timeout (see craq.cluster)."""
+        return self.heartbeat_timeout * 0.6
+
+    def _try_lease(self, tr: Transaction) -> tuple[bool, tuple[ClusterState, dict[int, list[int]]] | None]:
+        now = self.clock()
+        raw = tr.get(LEASE_KEY)
+        current = _lease_decoder.decode(raw) if raw else None
+        if current is not None and current.holder != self.instance_id and current.expires > now:
+            self.primary_address = current.address
+            return False, None
+        tr.set(LEASE_KEY, msgspec.msgpack.encode(Lease(self.instance_id, self.address, now + self.lease)))
+        self.primary_address = self.address
+        if self.manager is not None:
+            return True, None
+        state_raw = tr.get(STATE_KEY)
+        targets_raw = tr.get(NODE_TARGETS_KEY)
+        state = _state_codec[1].decode(state_raw) if state_raw else ClusterState()
+        return True, (state, _targets_decoder.decode(targets_raw) if targets_raw else {})
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(min(0.5, self.heartbeat_timeout / 4))
+            if self.manager is not None and self.manager.tick(self.clock()):
+                try:
+                    await self._persist()
+                except NotPrimary as exc:
+                    log.warning("stepping down: %s", exc)
+
+    async def _persist(self) -> None:
+        """Save the manager's state, fenced by the lease: a deposed primary's write is refused."""
+        assert self.manager is not None
+        state = _state_codec[0].encode(self.manager.state)
+        targets = msgspec.msgpack.encode(self.node_targets)
+
+        def save(tr: Transaction) -> None:
+            raw = tr.get(LEASE_KEY)
+            lease = _lease_decoder.decode(raw) if raw else None
+            if lease is None or lease.holder != self.instance_id:
+                raise NotPrimary(f"lease moved to {lease.address if lease else 'nobody'}")
+            tr.set(STATE_KEY, state)
+            tr.set(NODE_TARGETS_KEY, targets)
+
+        try:
+            await trio.to_thread.run_sync(self.db.run, save)
+        except NotPrimary:
+            self.manager = None
+            raise
+
+    # ------------------------------------------------------------------------------------ handlers
+
+    async def _primary_only(self, handler: Callable[..., Any], request: Any, data: Any, ctx: CallContext) -> Any:
+        if self.manager is None:
+            raise NotPrimary(f"standby; primary is {self.primary_address or 'unknown'}")
+        return await handler(request)
+
+    async def _register(self, req: RegisterNode) -> Empty:
+        if self.node_targets.get(req.node_id) != req.targets:
+            self.node_targets[req.node_id] = list(req.targets)
+            await self._persist()
+        return Empty()
+
+    async def _heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
+        assert self.manager is not None
+        known = self.manager.state.nodes.get(hb.node_id)
+        reply, changed = self.manager.heartbeat(hb, self.clock())
+        if changed or known is None or known.address != hb.address:
+            await self._persist()
+            reply = msgspec.structs.replace(reply, routing=self.manager.routing())
+        return reply
+
+    async def _routing(self, _: Empty) -> RoutingSnapshot:
+        assert self.manager is not None
+        return self.manager.routing()
+
+    async def _create_chains(self, req: CreateChains) -> ChainIds:
+        assert self.manager is not None
+        placed = {t.target_id for c in self.manager.state.chains.values() for t in c.targets}
+        free = [(t, n) for n, ts in sorted(self.node_targets.items()) for t in ts if t not in placed]
+        if not free:
+            raise KvfsError("no registered target is free for new chains", errno.ENOSPC)
+        first = max(self.manager.state.chains, default=0) + 1
+        created = self.manager.create_chains(free, req.replicas, first)
+        await self._persist()
+        log.info("created chains %s with %d replicas", created, req.replicas)
+        return ChainIds(created)
+
+    async def _sync_done(self, msg: SyncDone) -> Empty:
+        assert self.manager is not None
+        if self.manager.sync_done(msg):
+            log.info("target %s of chain %s finished syncing", msg.target_id, msg.chain_id)
+            await self._persist()
+        return Empty()
+
+    async def _checksum_report(self, msg: ChecksumReport) -> Empty:
+        log.error(
+            "chain %s: target %s disagrees with successor %s on chunk %s v%s; needs repair",
+            msg.chain_id, msg.target_id, msg.successor, msg.chunk_id, msg.version,
+        )
+        return Empty()
+
+    async def _status(self, _: Empty) -> ClusterStatus:
+        assert self.manager is not None
+        now = self.clock()
+        nodes = [
+            NodeStatus(n.node_id, n.address, n.alive, now - n.last_heartbeat, self.node_targets.get(n.node_id, []))
+            for n in sorted(self.manager.state.nodes.values(), key=lambda n: n.node_id)
+        ]
+        return ClusterStatus(self.address, nodes, self.manager.routing())
+
+
+class MgmtdClient:
+    """Finds the primary among the configured mgmtd addresses and calls it."""
+
+    def __init__(self, client: RpcClient, addresses: Sequence[str], *, rounds: int = 20) -> None:
+        if not addresses:
+            raise ValueError("no mgmtd address configured")
+        self._client = client
+        self._addresses = list(addresses)
+        self._primary = 0
+        self._rounds = rounds
+
+    async def call(self, method: Method, request: msgspec.Struct, *, timeout: float | None = None) -> Any:
+        error: Exception | None = None
+        for attempt in range(self._rounds * len(self._addresses)):
+            address = self._addresses[self._primary]
+            try:
+                return await self._client.call(address, method, request, timeout=timeout)
+            except (NotPrimary, ServiceUnavailable, ConnectionLost, RpcTimeout) as exc:
+                error = exc
+            except KvfsError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise
+                error = exc
+            self._primary = (self._primary + 1) % len(self._addresses)
+            if self._primary == 0:
+                await trio.sleep(min(0.1 * (1 + attempt // len(self._addresses)), 1.0))
+        assert error is not None
+        raise ServiceUnavailable(f"no primary mgmtd among {self._addresses}: {error}")
+
+    async def routing(self) -> RoutingSnapshot:
+        return await self.call(ROUTING, Empty())
