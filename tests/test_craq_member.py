@@ -1,0 +1,307 @@
+"""Transitions of the chain member state machine, driven by hand (no simulator, no I/O)."""
+
+from __future__ import annotations
+
+import errno
+
+import msgspec
+import pytest
+from crc32c import crc32c
+
+from kvfs.errors import ProtocolError
+
+from craq.member import (
+    AskTail, ChainMember, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
+    Retry, Send, SendChunk, ServeVersion, Tick,
+)
+from craq.messages import (
+    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, SyncDone, SyncQuery, SyncState, TargetState,
+    UpdateAck, UpdateReq, VersionQuery, WireMessage, WriteReq,
+)
+from craq.sim import MemEngine
+
+CID = ChunkId(7, 0)
+S, Y, O = TargetState.SERVING, TargetState.SYNCING, TargetState.OFFLINE
+
+
+def config(version: int, *targets: tuple[int, TargetState]) -> ChainConfig:
+    return ChainConfig(1, version, tuple(ChainTarget(t, t, s) for t, s in targets))
+
+
+def write(data: bytes, request_id: int = 1, client_id: int = 9, version: int = 1, crc: int | None = None) -> WriteReq:
+    return WriteReq(1, version, CID, client_id, request_id, 0, crc32c(data) if crc is None else crc, data)
+
+
+class Chain:
+    """Members plus engine models; effects are run by hand so each test controls what is delivered when."""
+
+    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkMeta]] | None = None) -> None:
+        self.members = {t.target_id: ChainMember(t.target_id, 1, (metas or {}).get(t.target_id)) for t in cfg.targets}
+        self.engines = {t: MemEngine() for t in self.members}
+        self.replies: list = []
+        self.mgmtd: list = []
+        self.outbox: list[tuple[int, object]] = []  # (target, message) not yet delivered
+        for m in self.members.values():
+            self.run(m.target_id, m.handle(Configure(cfg, lease_until=100.0)))
+
+    def run(self, target: int, effects: list) -> list:
+        """Execute effects; persists complete at once, sends go to the outbox."""
+        engine = self.engines[target]
+        for e in effects:
+            if isinstance(e, PersistPending):
+                crc, length = engine.write_pending(e)
+                self.run(target, self.members[target].handle(Persisted(e.chunk_id, e.version, crc, length)))
+            elif isinstance(e, Commit):
+                engine.commit(e.chunk_id, e.version)
+            elif isinstance(e, Send):
+                self.outbox.append((e.target, e.msg))
+            elif isinstance(e, SendChunk):
+                self.outbox.append((e.target, msgspec.structs.replace(e.msg, data=engine.read(e.msg.chunk_id, e.msg.version))))
+            elif isinstance(e, ReplyClient):
+                self.replies.append(e.msg)
+            elif isinstance(e, ReportToMgmtd):
+                self.mgmtd.append(e.msg)
+        return effects
+
+    def deliver_all(self) -> None:
+        while self.outbox:
+            target, msg = self.outbox.pop(0)
+            self.run(target, self.members[target].handle(msg))
+
+    def reconfigure(self, cfg: ChainConfig, *targets: int) -> None:
+        for t in targets or self.members:
+            self.run(t, self.members[t].handle(Configure(cfg, lease_until=100.0)))
+
+
+def test_write_flows_down_and_commit_flows_back():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    head = chain.members[1]
+    effects = head.handle(write(b"hello"))
+    assert effects == [PersistPending(CID, 1, 0, b"hello", crc32c(b"hello"), False, {9: 1})]
+    chain.run(1, effects)
+    (target, update), = chain.outbox
+    assert target == 2 and isinstance(update, UpdateReq) and update.version == 1
+    chain.deliver_all()
+    assert [m.chunk_versions(CID) for m in chain.members.values()] == [(1, None)] * 3
+    (reply,) = chain.replies
+    assert (reply.errno, reply.version, reply.request_id) == (0, 1, 1)
+
+
+def test_tail_commits_before_it_acks_and_head_replies_last():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"x")))
+    target, update = chain.outbox.pop()
+    tail_effects = chain.run(2, chain.members[2].handle(update))
+    assert [type(e) for e in tail_effects] == [PersistPending]
+    assert chain.members[2].chunk_versions(CID) == (1, None)  # the persist completed and it committed
+    assert not chain.replies
+    chain.deliver_all()
+    assert chain.replies[0].errno == 0
+
+
+def test_head_queues_a_second_write_until_the_first_commits():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a", request_id=1)))
+    assert chain.members[1].handle(write(b"b", request_id=2)) == []
+    assert chain.members[1].chunk_versions(CID) == (0, 1)
+    chain.deliver_all()
+    assert [r.version for r in chain.replies] == [1, 2]
+    assert chain.engines[2].committed[CID].data == b"b"
+
+
+def test_client_retry_is_idempotent_while_pending_and_after_commit():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    assert chain.members[1].handle(write(b"a")) == []  # attached to the pending write
+    chain.deliver_all()
+    assert len(chain.replies) == 1
+    chain.run(1, chain.members[1].handle(write(b"a")))  # after commit: answered from the table
+    assert [(r.errno, r.version) for r in chain.replies] == [(0, 1), (0, 1)]
+    assert chain.members[1].chunk_versions(CID) == (1, None)
+
+
+def test_checksum_mismatch_is_refused_at_head_and_at_successor():
+    chain = Chain(config(1, (1, S), (2, S)))
+    (reply,) = chain.members[1].handle(write(b"a", crc=123))
+    assert reply.msg.errno == errno.EBADMSG
+    bad = UpdateReq(1, 1, CID, 1, 1, 0, 123, data=b"a")
+    (ack,) = chain.members[2].handle(bad)
+    assert ack.msg.status is AckStatus.CHECKSUM and chain.members[2].chunk_versions(CID) == (0, None)
+
+
+def test_stale_chain_version_is_refused():
+    chain = Chain(config(2, (1, S), (2, S)))
+    (reply,) = chain.members[1].handle(write(b"a", version=1))
+    assert reply.msg.errno == errno.ESTALE
+    (ack,) = chain.members[2].handle(UpdateReq(1, 3, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    assert ack.msg.status is AckStatus.STALE and ack.msg.chain_version == 3  # echoes the sender's view
+
+
+def test_successor_refuses_a_gap_and_predecessor_repairs_with_full_chunk():
+    chain = Chain(config(1, (1, S), (2, S)))
+    (ack,) = chain.members[2].handle(UpdateReq(1, 1, CID, 1, 5, 0, crc32c(b"z"), data=b"z"))
+    assert ack.msg.status is AckStatus.VERSION_GAP and ack.msg.committed_version == 0
+    for i, data in enumerate([b"a", b"b"], start=1):
+        chain.run(1, chain.members[1].handle(write(data, request_id=i)))
+        chain.deliver_all()
+    chain.members[2], chain.engines[2] = ChainMember(2, 1), MemEngine()  # the successor lost its chunk
+    chain.reconfigure(config(1, (1, S), (2, S)), 2)
+    chain.run(1, chain.members[1].handle(write(b"c", request_id=3)))
+    chain.deliver_all()
+    assert chain.members[2].chunk_versions(CID) == (3, None)
+    assert chain.engines[2].committed[CID].data == b"c" and chain.replies[-1].version == 3
+
+
+def test_duplicate_update_is_idempotent():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    u = UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a")
+    first = chain.members[2].handle(u)
+    assert isinstance(first[0], PersistPending)
+    assert chain.members[2].handle(u) == []  # still persisting: nothing new
+    chain.members[2].handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    (again,) = chain.members[2].handle(u)  # persisted: forward again, no second persist
+    assert isinstance(again, Send) and again.target == 3
+
+
+@pytest.mark.parametrize("case", ["persisted_without_pending", "update_from_stranger", "write_at_middle",
+                                  "ack_from_stranger", "sync_query_at_serving"])
+def test_unexpected_messages_are_protocol_errors(case):
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    member, event = {
+        "persisted_without_pending": (1, Persisted(CID, 1, 0, 0)),
+        "update_from_stranger": (3, UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b""))),
+        "write_at_middle": (2, write(b"a")),
+        "ack_from_stranger": (1, UpdateAck(1, 1, CID, 3, 1, AckStatus.OK)),
+        "sync_query_at_serving": (3, SyncQuery(1, 1, 2)),
+    }[case]
+    with pytest.raises(ProtocolError):
+        chain.members[member].handle(event)
+
+
+def test_reads_clean_dirty_and_tail():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    head, mid, tail = chain.members.values()
+    assert head.read_decision(CID, 1) == ServeVersion(0)
+    chain.run(1, head.handle(write(b"a")))
+    chain.deliver_all()
+    chain.run(1, head.handle(write(b"b", request_id=2)))  # pending at 1 only
+    chain.outbox.clear()
+    ask = head.read_decision(CID, 1)
+    assert isinstance(ask, AskTail) and ask.target == 3
+    assert tail.read_decision(CID, 1) == ServeVersion(1)
+    reply = tail.answer_version_query(ask.query)
+    assert reply.committed_version == 1 and head.decide_with_tail(CID, reply) == ServeVersion(1)
+    assert isinstance(head.read_decision(CID, 2), Retry)  # wrong chain version
+    head.handle(Tick(now=200.0))
+    assert isinstance(head.read_decision(CID, 1), Retry)  # lease expired: mgmtd may have moved on
+
+
+def test_tail_failure_redrives_pending_and_new_tail_commits_before_serving():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    target, update = chain.outbox.pop()
+    chain.run(2, chain.members[2].handle(update))
+    chain.outbox.clear()  # 2's forward to 3 is lost; 3 dies
+    new = config(2, (1, S), (2, S), (3, O))
+    chain.reconfigure(new, 1)
+    assert isinstance(chain.members[2].read_decision(CID, 1), AskTail)  # a dirty middle asks the tail
+    effects = chain.run(2, chain.members[2].handle(Configure(new, 100.0)))
+    assert [type(e) for e in effects] == [Commit, Send]  # new end of chain commits at once, acks upstream
+    chain.deliver_all()
+    assert chain.replies[-1].errno == 0 and chain.members[1].chunk_versions(CID) == (1, None)
+
+
+def test_new_tail_does_not_serve_a_pending_it_held_when_it_became_tail():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    mid = chain.members[2]
+    mid.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))  # persisting, not yet done
+    mid.handle(Configure(config(2, (1, S), (2, S), (3, O)), 100.0))
+    decision = mid.read_decision(CID, 2)
+    assert isinstance(decision, Retry) and decision.error.errno == errno.EAGAIN
+    assert mid.answer_version_query(VersionQuery(1, 2, CID, 1, 1)).errno == errno.EAGAIN
+
+
+def test_head_failure_leaves_the_pending_write_to_the_new_head():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    _, update = chain.outbox.pop()
+    chain.run(2, chain.members[2].handle(update))
+    chain.outbox.clear()
+    new = config(2, (2, S), (3, S), (1, O))
+    chain.reconfigure(new, 2, 3)
+    chain.deliver_all()
+    assert chain.members[3].chunk_versions(CID) == (1, None) and chain.members[2].chunk_versions(CID) == (1, None)
+    chain.run(2, chain.members[2].handle(write(b"a", version=2)))  # the client's retry at the new head
+    assert [(r.errno, r.version) for r in chain.replies] == [(0, 1)]
+
+
+def test_resync_copies_differing_chunks_then_reports_done():
+    chain = Chain(config(1, (1, S), (2, S)))
+    for i, data in enumerate([b"a", b"b"], start=1):
+        chain.run(1, chain.members[1].handle(write(data, request_id=i)))
+        chain.deliver_all()
+    # 2 restarts with nothing, comes back syncing at the end
+    chain.members[2] = ChainMember(2, 1)
+    chain.engines[2] = MemEngine()
+    syncing = config(3, (1, S), (2, Y))
+    effects = chain.members[1].handle(Configure(syncing, 100.0))
+    assert effects == [Send(2, SyncQuery(1, 3, 1))]
+    chain.run(1, effects)
+    chain.run(2, chain.members[2].handle(Configure(syncing, 100.0)))
+    chain.deliver_all()
+    assert chain.mgmtd == [SyncDone(1, 3, 2)]
+    assert chain.engines[2].committed[CID].data == b"b" and chain.members[2].chunk_versions(CID) == (2, None)
+    assert isinstance(chain.members[2].read_decision(CID, 3), Retry)  # syncing targets do not serve reads
+
+
+def test_writes_during_sync_reach_the_syncing_target_as_full_chunks():
+    chain = Chain(config(1, (1, S), (2, Y)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    sends = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    assert sends and sends[0].full_replace and sends[0].data == b"a"
+    chain.deliver_all()
+    assert chain.replies[-1].errno == 0 and chain.mgmtd == [SyncDone(1, 1, 2)]
+
+
+def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    member = chain.members[2]
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    member.handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    assert member.chunk_versions(CID) == (0, 1)
+    assert member.handle(Configure(config(3, (1, S), (3, S), (2, Y)), 100.0)) == []  # no commit, no ack
+    assert member.chunk_versions(CID) == (0, None)
+
+
+def test_restarted_last_serving_target_finishes_its_pending_write():
+    meta = {CID: ChunkMeta(1, crc32c(b"a"), 1, {9: 1}, pending_version=2, pending_crc=crc32c(b"b"), pending_length=1)}
+    member = ChainMember(1, 1, meta)
+    assert member.handle(Configure(config(5, (1, S)), 100.0)) == [Commit(CID, 2)]
+    assert member.read_decision(CID, 5) == ServeVersion(2)
+
+
+def test_ack_with_different_crc_is_reported():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.outbox.clear()
+    effects = chain.members[1].handle(UpdateAck(1, 1, CID, 2, 1, AckStatus.OK, 1, chunk_crc=1, chunk_len=1))
+    assert isinstance(effects[0], ReportToMgmtd) and isinstance(effects[0].msg, ChecksumReport)
+    assert isinstance(effects[1], Commit)
+
+
+def test_retransmit_on_tick_until_acked():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.outbox.clear()  # lost
+    assert chain.members[1].handle(Tick(0.01)) == []
+    (resend,) = chain.members[1].handle(Tick(1.0))
+    assert isinstance(resend, Send) and resend.msg.version == 1
+
+
+def test_messages_round_trip_as_msgpack_with_data_stripped():
+    u = UpdateReq(1, 2, CID, 1, 3, 0, crc32c(b"bulk"), requests={9: 1}, data=b"bulk")
+    wire = msgspec.msgpack.encode(msgspec.structs.replace(u, data=None))
+    back = msgspec.msgpack.decode(wire, type=WireMessage)
+    assert msgspec.structs.replace(back, data=b"bulk") == u
+    s = SyncState(1, 2, 3, ())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=WireMessage) == s
