@@ -189,3 +189,131 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main(sys.argv[1:])
+
+
+# ---------------------------------------------------------------------------------- test helpers
+HARNESS = str(Path(__file__).resolve())
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def is_mounted(path) -> bool:
+    """From /proc/self/mountinfo: never touches the (possibly hung) mount itself."""
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == target for line in f)
+
+
+class Mount:
+    def __init__(self, path: Path, proc, log: Path) -> None:
+        self.path, self.proc, self.log = path, proc, log
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text()
+        except OSError:
+            return ""
+
+
+def start_mount(base: Path, *extra: str, timeout: float = 20.0, public: bool = False) -> Mount:
+    """Start the harness server in a subprocess and wait until the mount answers.  ``public`` puts
+    the mount point in a world-searchable directory (pytest's tmp dirs are 0700), for tests that
+    act as other users."""
+    import select
+    import subprocess
+    import tempfile
+    import time
+
+    state, log = base / "state", base / "server.log"
+    if public:
+        top = Path(tempfile.mkdtemp(prefix="kvfs-fuse-"))
+        top.chmod(0o755)
+        mnt = top / "mnt"
+    else:
+        mnt = base / "mnt"
+    mnt.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "w") as logf:
+        proc = subprocess.Popen([sys.executable, HARNESS, str(mnt), str(state), *extra],
+                                stdout=subprocess.PIPE, stderr=logf, env=env, cwd=REPO)
+    m = Mount(mnt, proc, log)
+    deadline = time.monotonic() + timeout
+    line = b""
+    while b"READY" not in line:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None:
+            stop_mount(m)
+            raise RuntimeError(f"mount did not come up (rc={proc.poll()}): {m.log_text()}")
+        if select.select([proc.stdout], [], [], left)[0]:
+            line = proc.stdout.readline() or line
+            if proc.poll() is not None and b"READY" not in line:
+                continue
+    if not is_mounted(mnt):
+        stop_mount(m)
+        raise RuntimeError(f"server ready but nothing mounted at {mnt}: {m.log_text()}")
+    return m
+
+
+def stop_mount(m: Mount, timeout: float = 15.0) -> int | None:
+    """SIGTERM (the daemon flushes and unmounts), then SIGKILL; a mount left behind is lazily removed."""
+    import subprocess
+
+    from fuse.mount import force_unmount
+
+    rc = None
+    if m.proc.poll() is None:
+        m.proc.terminate()
+        try:
+            rc = m.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            m.proc.kill()
+            rc = m.proc.wait(5)
+    else:
+        rc = m.proc.returncode
+    if m.proc.stdout:
+        m.proc.stdout.close()
+    if is_mounted(m.path):
+        force_unmount(str(m.path))
+    if m.path.parent.name.startswith("kvfs-fuse-"):
+        try:
+            m.path.rmdir()
+            m.path.parent.rmdir()
+        except OSError:
+            pass
+    return rc
+
+
+def run_as(uid: int, gid: int, fn, *args, groups: tuple[int, ...] = ()):
+    """Run ``fn(*args)`` in a forked child with the given identity. Returns its result, or the
+    errno of the OSError it raised as ``("errno", n)``."""
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.close(r)
+            try:
+                os.setgroups(list(groups))
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                out = ("ok", fn(*args))
+            except OSError as e:
+                out = ("errno", e.errno)
+            except BaseException as e:  # noqa: BLE001
+                out = ("exc", repr(e))
+            os.write(w, pickle.dumps(out))
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        b = os.read(r, 65536)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    os.waitpid(pid, 0)
+    kind, value = pickle.loads(b"".join(chunks))
+    if kind == "exc":
+        raise AssertionError(f"child raised {value}")
+    return value if kind == "ok" else ("errno", value)

@@ -1,0 +1,303 @@
+"""Data through the mount: large round trips, appends, truncation, holes, concurrent writers,
+locks, and the daemon's lifecycle (SIGTERM unmounts cleanly, a killed daemon is cleared by
+force_unmount)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fuse_harness import REPO, is_mounted, start_mount, stop_mount
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
+)
+
+MIB = 1 << 20
+CHUNK = 256 * 1024  # small chunks so modest files span many chunks (parallel chunk I/O)
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def mount(tmp_path_factory):
+    m = start_mount(tmp_path_factory.mktemp("fuse_io"), "--chunk-size", str(CHUNK), "--write-buffer", str(2 * MIB))
+    try:
+        yield m
+    finally:
+        stop_mount(m)
+
+
+@pytest.fixture
+def d(mount):
+    path = mount.path / f"t{next(_counter)}"
+    os.mkdir(path)
+    return path
+
+
+def pattern(n: int, seed: int = 0) -> bytes:
+    block = hashlib.sha256(str(seed).encode()).digest() * 2048  # 64 KiB
+    return (block * (n // len(block) + 1))[:n]
+
+
+def test_large_round_trip(d):
+    p = d / "big"
+    h = hashlib.sha256()
+    size = 64 * MIB
+    rnd = os.urandom(MIB)
+    with open(p, "wb", buffering=0) as f:
+        for i in range(size // MIB):
+            block = rnd[i:] + rnd[:i]
+            h.update(block)
+            assert f.write(block) == MIB
+    assert os.stat(p).st_size == size
+    h2 = hashlib.sha256()
+    with open(p, "rb", buffering=0) as f:
+        while True:
+            b = f.read(4 * MIB)
+            if not b:
+                break
+            h2.update(b)
+    assert h2.hexdigest() == h.hexdigest()
+    # unaligned reads across chunk boundaries
+    with open(p, "rb") as f:
+        for off in (0, CHUNK - 7, 5 * CHUNK + 123, size - 100):
+            f.seek(off)
+            got = f.read(3 * CHUNK)
+            i, r = divmod(off, MIB)
+            expect = (rnd[i:] + rnd[:i])[r:]
+            assert got[: len(expect)][:1000] == expect[:1000]
+
+
+def test_unaligned_small_writes_and_overwrite(d):
+    p = d / "f"
+    data = bytearray(pattern(3 * CHUNK + 17, 1))
+    with open(p, "wb") as f:
+        for i in range(0, len(data), 1000):
+            f.write(data[i:i + 1000])
+    with open(p, "r+b") as f:
+        f.seek(CHUNK - 3)
+        f.write(b"X" * 10)
+        data[CHUNK - 3:CHUNK + 7] = b"X" * 10
+        f.seek(10)
+        f.write(b"Y")
+        data[10:11] = b"Y"
+    assert p.read_bytes() == bytes(data)
+
+
+def test_read_sees_buffered_write_before_close(d):
+    p = d / "f"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR)
+    try:
+        os.write(fd, b"abc" * 1000)
+        fd2 = os.open(p, os.O_RDONLY)
+        try:
+            assert os.stat(p).st_size == 3000
+            assert os.pread(fd2, 3000, 0) == b"abc" * 1000
+        finally:
+            os.close(fd2)
+    finally:
+        os.close(fd)
+
+
+def test_append(d):
+    p = d / "log"
+    with open(p, "ab") as f:
+        f.write(b"one\n")
+    with open(p, "ab") as f:
+        f.write(b"two\n")
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, b"three\n")  # O_APPEND ignores the position
+    os.close(fd)
+    assert p.read_bytes() == b"one\ntwo\nthree\n"
+
+
+def test_concurrent_appenders(d):
+    p = d / "log"
+    p.write_bytes(b"")
+    code = (
+        "import os,sys\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)\n"
+        "for i in range(200): os.write(fd, (sys.argv[2] * 99 + '\\n').encode())\n"
+        "os.close(fd)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(p), c]) for c in "abcd"]
+    assert [q.wait(60) for q in procs] == [0] * 4
+    lines = p.read_bytes().split(b"\n")[:-1]
+    assert len(lines) == 800
+    assert all(len(set(line)) == 1 and len(line) == 99 for line in lines)
+
+
+def test_concurrent_writers_distinct_files_and_regions(d):
+    code = (
+        "import os,sys,hashlib\n"
+        "path, seed, off = sys.argv[1], sys.argv[2], int(sys.argv[3])\n"
+        "blk = hashlib.sha256(seed.encode()).digest() * 8192\n"
+        "fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)\n"
+        "for i in range(4): os.pwrite(fd, blk, off + i * len(blk))\n"
+        "os.fsync(fd); os.close(fd)\n"
+    )
+    shared = d / "shared"
+    region = 4 * 256 * 1024
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(shared), str(i), str(i * region)]) for i in range(3)]
+    procs += [subprocess.Popen([sys.executable, "-c", code, str(d / f"own{i}"), str(i), "0"]) for i in range(3)]
+    assert [q.wait(60) for q in procs] == [0] * 6
+    data = shared.read_bytes()
+    assert len(data) == 3 * region
+    for i in range(3):
+        blk = hashlib.sha256(str(i).encode()).digest() * 8192
+        assert data[i * region:(i + 1) * region] == blk * 4
+        assert (d / f"own{i}").read_bytes() == blk * 4
+
+
+def test_truncate_down_up_and_o_trunc(d):
+    p = d / "f"
+    data = pattern(3 * CHUNK + 1000, 2)
+    p.write_bytes(data)
+    os.truncate(p, CHUNK + 5)
+    assert os.stat(p).st_size == CHUNK + 5
+    assert p.read_bytes() == data[:CHUNK + 5]
+    os.truncate(p, 3 * CHUNK)  # grows with zeros, old bytes past the cut stay gone
+    assert p.read_bytes() == data[:CHUNK + 5] + bytes(2 * CHUNK - 5)
+    with open(p, "r+b") as f:
+        f.truncate(10)
+        f.seek(0, os.SEEK_END)
+        f.write(b"Z")
+    assert p.read_bytes() == data[:10] + b"Z"
+    with open(p, "wb") as f:  # O_TRUNC
+        f.write(b"new")
+    assert p.read_bytes() == b"new"
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    os.close(fd)
+    assert os.stat(p).st_size == 0 and p.read_bytes() == b""
+    # after truncation to zero, extending shows zeros, not the old data
+    os.truncate(p, 100)
+    assert p.read_bytes() == bytes(100)
+
+
+def test_sparse_file(d):
+    p = d / "sparse"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY)
+    os.pwrite(fd, b"end", 10 * CHUNK + 5)
+    os.pwrite(fd, b"mid", 4 * CHUNK - 1)  # straddles a chunk boundary
+    os.close(fd)
+    data = p.read_bytes()
+    assert len(data) == 10 * CHUNK + 8
+    expect = bytearray(10 * CHUNK + 8)
+    expect[10 * CHUNK + 5:] = b"end"
+    expect[4 * CHUNK - 1:4 * CHUNK + 2] = b"mid"
+    assert data == bytes(expect)
+
+
+def test_fsync_and_length_visible_to_new_opens(d):
+    p = d / "f"
+    fd = os.open(p, os.O_CREAT | os.O_WRONLY)
+    os.write(fd, b"x" * 12345)
+    os.fsync(fd)
+    assert os.stat(p).st_size == 12345
+    os.write(fd, b"y" * 5)
+    os.fdatasync(fd)
+    os.close(fd)
+    assert p.read_bytes() == b"x" * 12345 + b"y" * 5
+
+
+def test_mtime_advances_on_write(d):
+    p = d / "f"
+    p.write_bytes(b"a")
+    os.utime(p, ns=(10**9, 10**9))
+    with open(p, "ab") as f:
+        f.write(b"b")
+    assert os.stat(p).st_mtime_ns > 10**9
+
+
+def test_posix_locks_within_the_mount(d):
+    p = d / "lock"
+    p.write_bytes(b"")
+    fd = os.open(p, os.O_RDWR)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    code = (
+        "import fcntl,os,sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "try:\n fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('got')\n"
+        "except OSError: print('busy')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "busy"
+    fcntl.lockf(fd, fcntl.LOCK_UN)
+    out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "got"
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def test_fallocate_not_supported_or_emulated(d):
+    p = d / "f"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, 3 * CHUNK)
+        except OSError as e:
+            assert e.errno in (errno.EOPNOTSUPP, errno.ENOSYS)
+        else:  # glibc emulates it by writing, which works through the mount
+            assert os.fstat(fd).st_size == 3 * CHUNK
+    finally:
+        os.close(fd)
+
+
+def test_unlinked_open_file_stays_readable(d):
+    p = d / "f"
+    p.write_bytes(b"keep me")
+    with open(p, "rb") as f:
+        os.unlink(p)
+        assert f.read() == b"keep me"
+
+
+# ------------------------------------------------------------------ lifecycle
+def test_sigterm_flushes_and_unmounts(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        p = m.path / "f"
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY)
+        os.write(fd, b"buffered")  # sits in the daemon's write buffer
+        os.kill(m.proc.pid, signal.SIGTERM)
+        # the open file keeps the mount busy: the daemon flushes, then unmounts (lazily if need be)
+        assert m.proc.wait(20) == 0
+        assert not is_mounted(m.path)
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the connection is gone
+    finally:
+        stop_mount(m)
+    m2 = start_mount(tmp_path)  # same state dir: the buffered bytes were written and the length reported
+    try:
+        assert (m2.path / "f").read_bytes() == b"buffered"
+    finally:
+        stop_mount(m2)
+
+
+def test_force_unmount_after_crash(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        m.proc.kill()
+        m.proc.wait(10)
+        assert is_mounted(m.path)
+        with pytest.raises(OSError) as info:
+            os.listdir(m.path)
+        assert info.value.errno == errno.ENOTCONN
+        out = subprocess.run([sys.executable, "-c", f"from fuse.mount import force_unmount; "
+                              f"print(force_unmount({str(m.path)!r}))"],
+                             capture_output=True, text=True, cwd=REPO, check=True).stdout
+        assert out.strip() == "True"
+        assert not is_mounted(m.path)
+    finally:
+        stop_mount(m)
