@@ -101,12 +101,15 @@ async def run_mount(
     pyfuse3.init(ops, mountpoint, mount_options(allow_other=allow_other, extra=extra_options))
     try:
         async with trio.open_nursery() as nursery:
+            ops.nursery = nursery
             if handle_signals:
                 nursery.start_soon(_on_signals, ops, nursery.cancel_scope)
             if read_ahead_kb:
                 nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
             task_status.started(ops)
             await pyfuse3.main()
+            with trio.move_on_after(10):
+                await ops.flush_all()  # background flushes still in flight
             nursery.cancel_scope.cancel()  # unmounted from outside (fusermount -u): stop the watcher
     finally:
         try:

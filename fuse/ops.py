@@ -66,7 +66,8 @@ class _InodeState:
     handles: set = field(default_factory=set)
 
     def dirty(self) -> bool:
-        return any(h.buf_len for h in self.handles)
+        """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
+        return any(h.buf_len or h.inflight is not None for h in self.handles)
 
 
 @dataclass(eq=False)
@@ -80,8 +81,9 @@ class _Handle:
     buf: bytearray = field(default_factory=bytearray)
     buf_off: int = 0
     buf_len: int = 0
+    spare: bytearray | None = None  # the other buffer of the pair, while not being flushed
+    inflight: trio.Event | None = None  # set when the background flush of the previous buffer ends
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
-    reported: int = -1  # the end offset last reported to meta
 
 
 @dataclass(eq=False)
@@ -133,6 +135,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
         self.initialized = trio.Event()
+        self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
 
     def init(self) -> None:
         """Called (synchronously, in the trio thread) when the kernel's INIT arrives."""
@@ -468,14 +471,13 @@ class KvfsOperations(pyfuse3.Operations):
         st = h.state
         n = len(buf)
         async with h.lock:
-            if h.error is not None:
-                err, h.error = h.error, None
-                raise err
+            self._raise_error(h)
             if h.flags & os.O_APPEND and st.size > off:
                 off = st.size  # another writer of this inode appended meanwhile
             if h.buf_len and (off != h.buf_off + h.buf_len or h.buf_len + n > self.write_buffer):
-                await self._flush_handle(h)
+                await self._start_flush(h)
             if n >= self.write_buffer:
+                await self._wait_inflight(h)
                 await self._write_through(h, off, memoryview(buf))
             else:
                 if not h.buf_len:
@@ -486,10 +488,17 @@ class KvfsOperations(pyfuse3.Operations):
                 h.buf_len += n
                 st.size = max(st.size, off + n)
                 if h.buf_len >= self.write_buffer:
-                    await self._flush_handle(h)
+                    await self._start_flush(h)
         return n
 
+    @staticmethod
+    def _raise_error(h: _Handle) -> None:
+        if h.error is not None:
+            err, h.error = h.error, None
+            raise err
+
     async def _write_through(self, h: _Handle, off: int, data: memoryview) -> None:
+        """Write ``data`` at ``off`` (chunk pieces in parallel), then report the new end to meta."""
         st = h.state
         pieces = list(_chunk_pieces(st.layout.chunk_size, off, len(data)))
         if len(pieces) == 1:
@@ -506,26 +515,57 @@ class KvfsOperations(pyfuse3.Operations):
         st.size = max(st.size, end)
         if h.session is not None:
             await self.meta.report_length(h.caller, st.ino, h.session, end)
-            h.reported = max(h.reported, end)
 
-    async def _flush_handle(self, h: _Handle) -> None:
-        """Write out the handle's buffer (caller holds h.lock)."""
+    async def _wait_inflight(self, h: _Handle) -> None:
+        while h.inflight is not None:
+            await h.inflight.wait()
+
+    async def _start_flush(self, h: _Handle) -> None:
+        """Hand the full buffer to a background task and continue in the other buffer, so the
+        writer fills one while the other travels (caller holds h.lock).  At most one flush per
+        handle is in flight, so a handle's writes reach storage in order."""
+        await self._wait_inflight(h)
         if not h.buf_len:
             return
-        off, n = h.buf_off, h.buf_len
-        data = memoryview(h.buf)[:n]
+        if self.nursery is None:
+            await self._flush_handle(h)
+            return
+        data, off, n = h.buf, h.buf_off, h.buf_len
+        h.buf = h.spare if h.spare is not None else bytearray()
+        h.spare = None
+        h.buf_len = 0
+        h.inflight = trio.Event()
+        self.nursery.start_soon(self._background_flush, h, data, off, n)
+
+    async def _background_flush(self, h: _Handle, data: bytearray, off: int, n: int) -> None:
+        view = memoryview(data)[:n]
         try:
-            await self._write_through(h, off, data)
-        except BaseException:
-            raise
-        else:
+            await self._write_through(h, off, view)
+        except Exception as e:  # noqa: BLE001 - reported to the writer at its next write/flush/fsync
+            log.warning("background flush of inode %d [%d, +%d) failed: %r", h.state.ino, off, n, e)
+            h.error = e if isinstance(e, OSError) else OSError(errno.EIO, repr(e))
+        finally:
+            view.release()
+            h.spare = data
+            ev, h.inflight = h.inflight, None
+            if ev is not None:
+                ev.set()
+
+    async def _flush_handle(self, h: _Handle) -> None:
+        """Write out the handle's buffer and wait for its flushes (caller holds h.lock)."""
+        await self._wait_inflight(h)
+        if not h.buf_len:
+            return
+        data = memoryview(h.buf)[:h.buf_len]
+        try:
+            await self._write_through(h, h.buf_off, data)
             h.buf_len = 0
         finally:
             data.release()
 
     async def _flush_inode(self, st: _InodeState) -> None:
         for h in list(st.handles):
-            if h.buf_len:
+            if h.buf_len or h.inflight is not None:
                 async with h.lock:
                     await self._flush_handle(h)
 
@@ -533,15 +573,14 @@ class KvfsOperations(pyfuse3.Operations):
     async def flush(self, fh):
         h = self._handle(fh)
         await self._flush_inode(h.state)
-        if h.error is not None:
-            err, h.error = h.error, None
-            raise err
+        self._raise_error(h)
 
     @_fuse_errors
     async def fsync(self, fh, datasync):
         h = self._handle(fh)
         st = h.state
         await self._flush_inode(st)
+        self._raise_error(h)
         if h.session is not None:
             await self.meta.set_length(h.caller, st.ino, h.session, st.size)
 
