@@ -202,7 +202,7 @@ class Phase(enum.Enum):
 class ChunkMeta:
     """What the engine keeps across restarts; a restarted member starts from this.
 
-    ``requests`` is the idempotency table of the newest version (pending if there is one).
+    ``requests``/``pending_requests``: the idempotency table stored with the committed/pending version.
     """
 
     committed_version: int = 0
@@ -212,11 +212,13 @@ class ChunkMeta:
     pending_version: int = 0  # 0: none
     pending_crc: int = 0
     pending_length: int = 0
+    pending_requests: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Pending:
     update: UpdateReq  # as accepted, data included, so it can be re-driven after a reconfiguration
+    requests: dict[int, int]  # the idempotency table once this version commits
     persisted: bool = False
     chunk_crc: int = 0
     chunk_len: int = 0
@@ -232,7 +234,7 @@ class _Chunk:
     committed: int = 0
     crc: int = 0
     length: int = 0
-    requests: dict[int, int] = field(default_factory=dict)
+    requests: dict[int, int] = field(default_factory=dict)  # of the committed version only
     pending: _Pending | None = None
     queue: collections.deque[WriteReq] = field(default_factory=collections.deque)  # head only
     fresh: bool = True  # syncing member: written by the live chain since it started syncing
@@ -281,7 +283,8 @@ class ChainMember:
                 # Kept in case this target returns as the last one serving (then it must finish the write);
                 # returning as syncing drops it. Its bytes are only in the engine: re-driven as a full chunk.
                 u = UpdateReq(chain_id, 0, cid, target_id, meta.pending_version, 0, meta.pending_crc, full_replace=True)
-                c.pending = _Pending(u, persisted=True, chunk_crc=meta.pending_crc, chunk_len=meta.pending_length)
+                c.pending = _Pending(u, dict(meta.pending_requests), persisted=True, chunk_crc=meta.pending_crc,
+                                     chunk_len=meta.pending_length)
 
     # ----------------------------------------------------------------------------------- public queries
 
@@ -430,12 +433,11 @@ class ChainMember:
         return self._accept(c, u)
 
     def _accept(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
-        if u.full_replace and u.requests is not None:
-            c.requests = dict(u.requests)
+        requests = dict(u.requests if u.full_replace and u.requests is not None else c.requests)
         if u.client_id:
-            c.requests[u.client_id] = max(c.requests.get(u.client_id, -1), u.request_id)
-        c.pending = _Pending(u)
-        return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(c.requests))]
+            requests[u.client_id] = max(requests.get(u.client_id, -1), u.request_id)
+        c.pending = _Pending(u, requests)
+        return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests))]
 
     def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
         if e.version != c.pending.update.version:
@@ -465,14 +467,14 @@ class ChainMember:
         return UpdateReq(
             self.chain_id, self.chain_version, c.cid, self.target_id, version, 0, crc, full_replace=True,
             sync=sync, client_id=u.client_id if u else 0, request_id=u.request_id if u else 0,
-            requests=dict(c.requests),
+            requests=dict(c.pending.requests if u else c.requests),
         )
 
     def _commit(self, c: _Chunk) -> list[Effect]:
         """Commit the pending version; ack upstream, or (head) answer the clients and start the next write."""
         p = c.pending
         cid = p.update.chunk_id
-        c.committed, c.crc, c.length, c.pending = p.update.version, p.chunk_crc, p.chunk_len, None
+        c.committed, c.crc, c.length, c.requests, c.pending = p.update.version, p.chunk_crc, p.chunk_len, p.requests, None
         effects: list[Effect] = [Commit(cid, c.committed)]
         pred = self._predecessor()
         if pred is not None:

@@ -68,8 +68,8 @@ class MemEngine:
         metas = {}
         for cid in self.committed.keys() | self.pending.keys():
             c, p = self.committed.get(cid, _Version(0, b"", {})), self.pending.get(cid)
-            metas[cid] = ChunkMeta(c.version, crc32c(c.data), len(c.data), (p or c).requests, *(
-                (p.version, crc32c(p.data), len(p.data)) if p else ()))
+            metas[cid] = ChunkMeta(c.version, crc32c(c.data), len(c.data), c.requests, *(
+                (p.version, crc32c(p.data), len(p.data), p.requests) if p else ()))
         return metas
 
 

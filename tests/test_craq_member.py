@@ -305,3 +305,15 @@ def test_messages_round_trip_as_msgpack_with_data_stripped():
     assert msgspec.structs.replace(back, data=b"bulk") == u
     s = SyncState(1, 2, 3, ())
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=WireMessage) == s
+
+
+def test_a_dropped_pending_write_is_not_remembered_as_applied():
+    """Regression (sim seed 2632): the idempotency table must only learn a request when its version commits."""
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    member = chain.members[2]
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), client_id=9, request_id=4, data=b"a"))
+    member.handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    member.handle(Configure(config(2, (1, S), (3, S), (2, Y)), 100.0))  # cut off, comes back syncing
+    member.handle(Configure(config(3, (2, S), (1, O), (3, O)), 100.0))  # ... and ends up the head
+    effects = member.handle(write(b"a", request_id=4, version=3))
+    assert isinstance(effects[0], PersistPending)  # applied, not answered "ok" from the table
