@@ -82,6 +82,13 @@ class ChunkMeta(msgspec.Struct, frozen=True):
     pending_version: int | None = None
 
 
+class VersionInfo(NamedTuple):
+    version: int
+    length: int
+    crc: int
+    aux: bytes
+
+
 class StaleVersion(KvfsError):
     """A write names a version that is not newer than the committed one."""
 
@@ -97,6 +104,7 @@ class _Version:
     cls: int  # log2 of the slot size; -1 only for the virtual empty version 0
     slot: int
     origin: tuple | None = None  # (offset, len, crc, new_len) of the write that made it, for retransmits
+    aux: bytes = b""  # the replication layer's record for this version (e.g. its idempotency table)
 
 
 _EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
@@ -172,7 +180,7 @@ class ChunkEngine:
             CREATE TABLE IF NOT EXISTS versions(
                 inode INTEGER NOT NULL, idx INTEGER NOT NULL, pending INTEGER NOT NULL,
                 version INTEGER NOT NULL, length INTEGER NOT NULL, crc INTEGER NOT NULL,
-                block_crcs BLOB NOT NULL, cls INTEGER NOT NULL, slot INTEGER NOT NULL,
+                block_crcs BLOB NOT NULL, cls INTEGER NOT NULL, slot INTEGER NOT NULL, aux BLOB NOT NULL,
                 PRIMARY KEY (inode, idx, pending)) WITHOUT ROWID;
             INSERT OR IGNORE INTO target VALUES ('format', 1), ('block', 65536);
             """
@@ -199,10 +207,10 @@ class ChunkEngine:
     def _load(self) -> None:
         """Rebuild the index from the rows; every slot no row names is free."""
         used: set[tuple[int, int]] = set()
-        for inode, idx, pending, version, length, crc, blob, cls, slot in self._db.execute(
-            "SELECT * FROM versions"
+        for inode, idx, pending, version, length, crc, blob, cls, slot, aux in self._db.execute(
+            "SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux FROM versions"
         ):
-            v = _Version(version, length, crc, array("I", blob), cls, slot)
+            v = _Version(version, length, crc, array("I", blob), cls, slot, aux=aux)
             entry = self._chunks.setdefault(inode, {}).setdefault(idx, _Entry())
             if pending:
                 entry.pending = v
@@ -382,8 +390,11 @@ class ChunkEngine:
         *,
         full_replace: bool = False,
         chunk_size: int,
+        aux: bytes = b"",
     ) -> ChunkMeta:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
+
+        ``aux`` is stored with the version, atomically with it, for the replication layer (see :meth:`versions`).
 
         Raises ChecksumMismatch (nothing touched) if ``crc32c(data) != crc``, EINVAL past
         ``chunk_size``, ENOSPC when full, StaleVersion if ``version`` is not newer than the
@@ -398,11 +409,11 @@ class ChunkEngine:
                 f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
                 errno.EINVAL,
             )
-        return self._stage(chunk_id, version, offset, data, crc, full_replace=full_replace, force=False)
+        return self._stage(chunk_id, version, offset, data, crc, full_replace=full_replace, force=False, aux=aux)
 
     def _stage(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, crc: int,
-        *, full_replace: bool, force: bool, new_len: int | None = None,
+        *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
     ) -> ChunkMeta:
         with self._lock:
             entry = self._entry(cid) or _Entry()
@@ -426,7 +437,7 @@ class ChunkEngine:
                 with self._lock:
                     self._unpin(old)
             whole = crc if full_replace else fold_crc(blocks, new_len)
-            staged = _Version(version, new_len, whole, blocks, cls, slot, origin)
+            staged = _Version(version, new_len, whole, blocks, cls, slot, origin, aux)
             return self._publish_pending(cid, staged, force)
         except BaseException as e:
             with self._lock:
@@ -442,8 +453,8 @@ class ChunkEngine:
             if not force and v.version <= committed:
                 raise StaleVersion(f"chunk {cid}: v{v.version} is not newer than committed v{committed}")
             self._execute((
-                "INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?)",
-                (cid.inode, cid.index, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot),
+                "INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
+                (cid.inode, cid.index, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux),
             ))
             with self._lock:
                 entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
@@ -545,6 +556,17 @@ class ChunkEngine:
             with self._lock:
                 self._unpin(v)
         return (n if into is not None else out.obj), meta
+
+    def versions(self, chunk_id: ChunkId) -> tuple[VersionInfo | None, VersionInfo | None]:
+        """(committed, pending) versions of a chunk with their ``aux`` records; what a restarted replica resumes from."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            if entry is None:
+                return None, None
+            return tuple(  # type: ignore[return-value]
+                None if v is None else VersionInfo(v.version, v.length, v.crc, v.aux)
+                for v in (entry.committed, entry.pending)
+            )
 
     def meta(self, chunk_id: ChunkId) -> ChunkMeta | None:
         """The committed version (version 0, empty, if only a pending one exists), or None."""

@@ -52,11 +52,15 @@ def main() -> None:
 @click.option("--listen", default="127.0.0.1:7200", show_default=True, help="RPC address to serve on.")
 @click.option("--http", "http_address", default=None, help="host:port for /metrics and /health.")
 @click.option("--kv-url", default=None, help="KV store URL (sqlite:///file or fdb:///cluster-file).")
-def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None) -> None:
+@click.option("--mgmtd", "mgmtd", multiple=True, help="mgmtd address (repeatable), to free removed files' chunks.")
+def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None,
+             mgmtd: tuple[str, ...]) -> None:
     """Run a stateless metadata service."""
     from meta.server import serve_meta
 
     config = _load(config_path)
+    if mgmtd:
+        config.mgmtd = list(mgmtd)
     _fail_cleanly(lambda: serve_meta(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))
 
 
@@ -72,3 +76,22 @@ def mgmtd_cmd(config_path: str | None, log_level: str, listen: str, http_address
 
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mgmtd(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))
+
+
+@main.command("chunkserver")
+@_config_option
+@click.option("--node-id", type=click.IntRange(1, 2**31), required=True, help="This server's node id (stable across restarts).")
+@click.option("--listen", default="127.0.0.1:7300", show_default=True, help="RPC address to serve on.")
+@click.option("--target", "targets", multiple=True, type=click.Path(file_okay=False), help="Storage target directory (repeatable).")
+@click.option("--mgmtd", "mgmtd", multiple=True, help="mgmtd address (repeatable); overrides the config.")
+@click.option("--http", "http_address", default=None, help="host:port for /metrics and /health.")
+def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, listen: str, targets: tuple[str, ...],
+                    mgmtd: tuple[str, ...], http_address: str | None) -> None:
+    """Run a chunk server owning one or more storage targets."""
+    from chunkserver.server import serve_chunkserver
+
+    config = _load(config_path)
+    if mgmtd:
+        config.mgmtd = list(mgmtd)
+    _fail_cleanly(lambda: serve_chunkserver(config, node_id=node_id, listen=listen, targets=list(targets),
+                                            http=http_address, log_level=log_level))

@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from kvfs.config import ClusterConfig
-from kvfs.rpc import RpcServer
+from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
 from meta.kv import open_database
 from meta.service import MetaService
 from meta.store import MetaStore
+from meta.types import Layout
+
+#: New files spread their chunks over up to this many chains, so one big file reads and writes in parallel.
+DEFAULT_STRIPE = 16
 
 
 def serve_meta(
     config: ClusterConfig, *, listen: str, http: str | None = None, kv_url: str | None = None, log_level: str = "INFO"
 ) -> None:
     setup_logging(log_level)
+    token = config.resolved_token()
     db = open_database(kv_url or config.kv_url)
-    store = MetaStore(db)
-    store.format()
-    server = RpcServer(config.resolved_token(), name="meta")
-    service = MetaService(store, server, gc_interval=config.meta_service.gc_interval)
+    server = RpcServer(token, name="meta")
 
     async def main() -> None:
-        await serve_rpc(server, listen, http=http, background=(service.run_gc,))
+        async with contextlib.AsyncExitStack() as stack:
+            remover = None
+            if config.mgmtd:  # chunks of removed files can only be freed where the chunk servers are known
+                from chunkserver.client import StorageClient, SyncChunkRemover
+                from craq.mgmtd import MgmtdClient
+
+                rpc = await stack.enter_async_context(RpcClient(token, connect_timeout=config.timeouts.connect))
+                remover = SyncChunkRemover(StorageClient(rpc, MgmtdClient(rpc, config.mgmtd)))
+            store = MetaStore(db, chunk_remover=remover, root_layout=Layout(stripe=DEFAULT_STRIPE))
+            store.format()
+            service = MetaService(store, server, gc_interval=config.meta_service.gc_interval)
+            background = (service.run_gc,) if remover is not None else ()
+            await serve_rpc(server, listen, http=http, background=background)
 
     try:
         run_service(main)

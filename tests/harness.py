@@ -70,3 +70,52 @@ class Processes:
                     proc.wait(timeout=5)
                 except (subprocess.TimeoutExpired, ProcessLookupError):
                     self.kill(proc)
+
+
+class Cluster:
+    """A real cluster on loopback: mgmtd(s), chunk servers, optionally meta, as separate processes."""
+
+    def __init__(self, processes: Processes, workdir: Path, config: Path) -> None:
+        self.processes = processes
+        self.workdir = workdir
+        self.config = config
+        self.mgmtd: list[str] = []
+        self.meta: list[str] = []
+        self.chunkservers: dict[int, tuple[str, subprocess.Popen]] = {}
+
+    def start_mgmtd(self, name: str = "mgmtd0") -> str:
+        address = f"127.0.0.1:{free_port()}"
+        proc = self.processes.start("mgmtd", "--config", str(self.config), "--listen", address,
+                                    "--kv-url", f"sqlite:///{self.workdir}/kv.db", name=name)
+        wait_for_port(address, proc)
+        self.mgmtd.append(address)
+        return address
+
+    def start_meta(self, name: str = "meta0") -> str:
+        address = f"127.0.0.1:{free_port()}"
+        args = ["meta", "--config", str(self.config), "--listen", address, "--kv-url", f"sqlite:///{self.workdir}/kv.db"]
+        proc = self.processes.start(*args, *[a for m in self.mgmtd for a in ("--mgmtd", m)], name=name)
+        wait_for_port(address, proc)
+        self.meta.append(address)
+        return address
+
+    def start_chunkserver(self, node_id: int, address: str | None = None) -> str:
+        address = address or f"127.0.0.1:{free_port()}"
+        target = self.workdir / f"cs{node_id}"
+        args = ["chunkserver", "--config", str(self.config), "--node-id", str(node_id), "--listen", address,
+                "--target", str(target)]
+        proc = self.processes.start(*args, *[a for m in self.mgmtd for a in ("--mgmtd", m)], name=f"cs{node_id}")
+        wait_for_port(address, proc)
+        self.chunkservers[node_id] = (address, proc)
+        return address
+
+    def kill_chunkserver(self, node_id: int) -> None:
+        self.processes.kill(self.chunkservers[node_id][1])
+
+
+def write_config(path: Path, **timeouts: float) -> Path:
+    settings = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "lease": 1.0, "call": 10.0, "connect": 1.0}
+    settings.update(timeouts)
+    path.write_text("[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
+                    + "\n[chunkserver]\nfsync = false\n")
+    return path

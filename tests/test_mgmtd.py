@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import trio
-from harness import TOKEN, free_port, wait_for_port
+from harness import TOKEN, free_port, wait_for_port, write_config
 
 from craq.cluster import Heartbeat
 from craq.messages import TargetState
@@ -12,14 +12,8 @@ from kvfs.rpc import RpcClient
 from kvfs.wire import Empty
 
 
-def write_config(path, **timeouts) -> str:
-    lines = ["[timeouts]"] + [f"{k} = {v}" for k, v in timeouts.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
 def start_mgmtds(processes, tmp_path, n: int) -> list[str]:
-    config = write_config(tmp_path / "kvfs.toml", heartbeat_timeout=1.0, lease=1.0)
+    config = write_config(tmp_path / "kvfs.toml")
     addresses = []
     for i in range(n):
         address = f"127.0.0.1:{free_port()}"

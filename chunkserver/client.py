@@ -1,0 +1,262 @@
+"""The storage client: file byte ranges -> chunks -> chains -> chunk servers.
+
+Shared by the FUSE mount and kvclient (it implements :class:`kvfs.storage.FileStorage`). It owns everything a
+caller should not see: placement (:func:`meta.placement.chunk_chain`), routing (refreshed from mgmtd when a
+server says the caller's chain version is stale), spreading reads over serving replicas, writes to chain heads,
+parallel I/O across chunks with a bounded window, retries across chain changes and failed targets, and
+receiving read data straight into the caller's buffer.
+
+Writes carry ``(client_id, request_id)``; a retry reuses the ids, so a write whose answer was lost is applied
+once. One write per chunk is in flight at a time from one client (the CRAQ head requires it).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import random
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from crc32c import crc32c
+
+from chunkserver import protocol as p
+from craq.cluster import RoutingSnapshot
+from craq.messages import ChainConfig, ChunkId, TargetState, WriteReq
+from craq.mgmtd import MgmtdClient
+from kvfs.errors import ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting
+from kvfs.rpc import RpcClient
+from kvfs.storage import Buffer, LayoutLike
+from kvfs.wire import Empty
+from meta.placement import chunk_chain
+
+log = logging.getLogger("kvfs.storage")
+
+#: Failures after which the same operation may succeed elsewhere or a little later.
+_TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
+_RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
+
+
+def split_range(offset: int, length: int, chunk_size: int) -> list[tuple[int, int, int]]:
+    """``(chunk index, offset in chunk, offset in the caller's buffer)`` pieces of a byte range; lengths follow."""
+    pieces = []
+    pos = offset
+    end = offset + length
+    while pos < end:
+        index, within = divmod(pos, chunk_size)
+        pieces.append((index, within, pos - offset))
+        pos += chunk_size - within
+    return pieces
+
+
+class StorageClient:
+    """Reads and writes files' chunks on the chunk servers; one instance per process is plenty."""
+
+    def __init__(
+        self,
+        rpc: RpcClient,
+        mgmtd: MgmtdClient,
+        *,
+        window: int = 16,
+        retry_for: float = 120.0,
+        call_timeout: float = 30.0,
+    ) -> None:
+        self.rpc = rpc
+        self.mgmtd = mgmtd
+        self.client_id = secrets.randbits(62) + 1
+        self._request_ids = itertools.count(1)
+        self._window = trio.CapacityLimiter(window)
+        self._retry_for = retry_for
+        self._call_timeout = call_timeout
+        self._routing: RoutingSnapshot | None = None
+        self._refreshing: trio.Event | None = None
+        self._chunk_locks: dict[tuple[int, int], trio.Lock] = {}
+        self._rng = random.Random()
+
+    # ---------------------------------------------------------------------------------- routing
+
+    async def routing(self) -> RoutingSnapshot:
+        if self._routing is None:
+            await self.refresh_routing()
+        assert self._routing is not None
+        return self._routing
+
+    async def refresh_routing(self) -> None:
+        """Fetch routing from mgmtd; concurrent callers share one fetch."""
+        if self._refreshing is not None:
+            await self._refreshing.wait()
+            return
+        self._refreshing = trio.Event()
+        try:
+            self._routing = await self.mgmtd.routing()
+        finally:
+            self._refreshing.set()
+            self._refreshing = None
+
+    async def _chain(self, layout: LayoutLike, ino: int, index: int) -> ChainConfig:
+        routing = await self.routing()
+        if not routing.chains:
+            raise ServiceUnavailable("the cluster has no chains yet (create them with kvfs admin create-chains)")
+        return routing.chains[chunk_chain(layout, ino, index, len(routing.chains))]  # type: ignore[arg-type]
+
+    def _address(self, target_id: int, chain: ChainConfig) -> str:
+        assert self._routing is not None
+        node = next(t.node_id for t in chain.targets if t.target_id == target_id)
+        address = self._routing.addresses.get(node)
+        if address is None:
+            raise StaleRouting(f"no address for node {node}")
+        return address
+
+    async def _retrying(self, what: str, attempt: Callable[[int], Awaitable[Any]]) -> Any:
+        """Run ``attempt(n)`` until it succeeds, a permanent error occurs, or ``retry_for`` seconds pass."""
+        deadline = trio.current_time() + self._retry_for
+        for n in itertools.count():
+            try:
+                return await attempt(n)
+            except KvfsError as exc:
+                if not (isinstance(exc, _TRANSIENT) or exc.errno in _RETRY_ERRNOS):
+                    raise
+                if trio.current_time() > deadline:
+                    raise KvfsError(f"{what}: gave up after {self._retry_for:g}s: {exc.message}", exc.errno) from None
+                log.debug("%s: attempt %d failed: %s", what, n, exc.message)
+                if isinstance(exc, (StaleRouting, ServiceUnavailable, ConnectionLost, RpcTimeout)) or n % 4 == 3:
+                    await trio.sleep(min(0.02 * 2 ** min(n, 6), 1.0))
+                    try:
+                        await self.refresh_routing()
+                    except KvfsError as refresh_error:
+                        log.debug("routing refresh failed: %s", refresh_error.message)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------------------------ writes
+
+    async def write(self, ino: int, layout: LayoutLike, offset: int, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        pieces = split_range(offset, len(view), layout.chunk_size)
+        if len(pieces) == 1:
+            index, within, at = pieces[0]
+            await self._write_chunk(ino, layout, index, within, view)
+            return
+        async with trio.open_nursery() as nursery:
+            for index, within, at in pieces:
+                piece = view[at : at + layout.chunk_size - within]
+                nursery.start_soon(self._bounded, self._write_chunk, ino, layout, index, within, piece)
+
+    async def _bounded(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        async with self._window:
+            await fn(*args)
+
+    async def _write_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, data: memoryview) -> None:
+        lock = self._chunk_locks.setdefault((ino, index), trio.Lock())
+        async with lock:
+            try:
+                request_id = next(self._request_ids)
+                crc = crc32c(data)
+
+                async def attempt(n: int) -> None:
+                    chain = await self._chain(layout, ino, index)
+                    writers = chain.write_chain()
+                    if not writers:
+                        raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
+                    request = WriteReq(chain.chain_id, chain.chain_version, ChunkId(ino, index), self.client_id,
+                                       request_id, within, crc)
+                    await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
+                                        timeout=self._call_timeout)
+
+                await self._retrying(f"write of chunk {index} of inode {ino}", attempt)
+            finally:
+                if not lock.statistics().tasks_waiting:
+                    self._chunk_locks.pop((ino, index), None)
+
+    # ------------------------------------------------------------------------------------- reads
+
+    async def read(self, ino: int, layout: LayoutLike, offset: int, into: memoryview) -> int:
+        into = into.cast("B") if into.format != "B" else into
+        pieces = split_range(offset, len(into), layout.chunk_size)
+        if len(pieces) == 1:
+            index, within, at = pieces[0]
+            await self._read_chunk(ino, layout, index, within, into)
+            return len(into)
+        async with trio.open_nursery() as nursery:
+            for index, within, at in pieces:
+                piece = into[at : at + layout.chunk_size - within]
+                nursery.start_soon(self._bounded, self._read_chunk, ino, layout, index, within, piece)
+        return len(into)
+
+    async def _read_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, into: memoryview) -> None:
+        async def attempt(n: int) -> None:
+            chain = await self._chain(layout, ino, index)
+            serving = [t.target_id for t in chain.targets if t.state is TargetState.SERVING]
+            if not serving:
+                raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
+            # spread first attempts over replicas; later ones go to the tail, which never needs to ask anyone
+            target = self._rng.choice(serving) if n == 0 else serving[-1 - (n // 2) % len(serving)]
+            request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(ino, index), within,
+                                               len(into))])
+            reply, data = await self.rpc.call_with_data(self._address(target, chain), p.READ, request, into=into,
+                                                        timeout=self._call_timeout)
+            result = reply.results[0]
+            if result.errno:
+                raise KvfsError(result.message, result.errno) if result.errno != errno.EBADMSG else ChecksumMismatch(
+                    result.message)
+            into[result.length :] = bytes(len(into) - result.length)  # past the chunk's end: a hole
+
+        await self._retrying(f"read of chunk {index} of inode {ino}", attempt)
+
+    # ------------------------------------------------------------------------- whole-file operations
+
+    async def _all_nodes(self, method: Any, request: Any) -> list[Any]:
+        """Call every node that routing knows; a node that cannot be reached fails the whole call."""
+        routing = await self.routing()
+        results: list[Any] = []
+
+        async def one(address: str) -> None:
+            results.append(await self.rpc.call(address, method, request, timeout=self._call_timeout))
+
+        async with trio.open_nursery() as nursery:
+            for address in sorted(set(routing.addresses.values())):
+                nursery.start_soon(one, address)
+        return results
+
+    async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
+        """Zero the cut part of the new last chunk and remove the chunks past it.
+
+        Keeping bytes past a file's length zero is what lets a later extension read zeros without any work.
+        """
+        if new_length >= old_length:
+            return
+        size = layout.chunk_size
+        cut = new_length % size
+        if cut:
+            end = min(old_length, new_length - cut + size)
+            await self.write(ino, layout, new_length, bytes(end - new_length))
+        first_gone = -(-new_length // size)
+        await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
+
+    async def remove_file(self, ino: int, layout: LayoutLike, length: int) -> None:
+        await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, 0))
+
+    async def capacity(self) -> tuple[int, int]:
+        """(total, free) bytes a user can store: raw space divided by the replication factor."""
+        routing = await self.routing()
+        spaces = await self._all_nodes(p.SPACE, Empty())
+        replicas = max((len(c.targets) for c in routing.chains), default=1)
+        return sum(s.capacity for s in spaces) // replicas, sum(s.free for s in spaces) // replicas
+
+    async def last_chunk(self, ino: int) -> tuple[int, int]:
+        """(index, length) of a file's last chunk anywhere in the cluster; (-1, 0) when it has none."""
+        results = await self._all_nodes(p.LAST_CHUNK, p.LastChunkQuery(ino))
+        best = max(results, key=lambda r: r.index, default=p.LastChunk(-1, 0))
+        return best.index, best.length
+
+
+class SyncChunkRemover:
+    """meta's ChunkRemover for a store running in a worker thread of a trio service: blocks on the async client."""
+
+    def __init__(self, storage: StorageClient) -> None:
+        self._storage = storage
+
+    def remove_file_chunks(self, ino: int, layout: Any, length: int) -> None:
+        trio.from_thread.run(self._storage.remove_file, ino, layout, length)

@@ -1,0 +1,97 @@
+"""RPC methods of ``kvfs chunkserver``: what clients and peer replicas may ask of a chunk server.
+
+Chunk bytes never travel inside a body: a write's data, a read's results and a replica's update ride in the
+frame's data section, and the structs here carry only their lengths and checksums.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.wire import Empty, Method
+
+#: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
+MAX_CHUNK_SIZE = 64 << 20
+MIN_CHUNK_SIZE = 64 << 10
+
+
+class PeerEnvelope(msgspec.Struct, array_like=True):
+    """One replication message between members of a chain; one-way, answered by a later message."""
+
+    msg: UpdateReq | UpdateAck | SyncQuery | SyncState
+
+
+class ReadRange(msgspec.Struct, array_like=True):
+    chain_id: int
+    chain_version: int
+    chunk_id: ChunkId
+    offset: int
+    length: int
+
+
+class ReadBatch(msgspec.Struct, array_like=True):
+    reads: list[ReadRange]
+
+
+class ReadResult(msgspec.Struct, array_like=True):
+    """``length`` bytes of the batch's data section belong to this read (fewer than asked past a chunk's end)."""
+
+    errno: int = 0
+    message: str = ""
+    version: int = 0
+    length: int = 0
+
+
+class ReadBatchResult(msgspec.Struct, array_like=True):
+    results: list[ReadResult]
+
+
+class FetchChunk(msgspec.Struct, array_like=True):
+    """Peer -> peer: send me your committed copy of a chunk (repairing a corrupt replica)."""
+
+    target_id: int
+    chunk_id: ChunkId
+
+
+class FetchedChunk(msgspec.Struct, array_like=True):
+    version: int
+    crc: int
+
+
+class RemoveChunks(msgspec.Struct, array_like=True):
+    """Remove every chunk of ``inode`` with index >= ``from_index`` on every target of this server."""
+
+    inode: int
+    from_index: int = 0
+
+
+class Removed(msgspec.Struct, array_like=True):
+    count: int
+
+
+class LastChunkQuery(msgspec.Struct, array_like=True):
+    inode: int
+
+
+class LastChunk(msgspec.Struct, array_like=True):
+    """The highest-index chunk of an inode on this server (index -1: none), for exact file length recovery."""
+
+    index: int
+    length: int
+
+
+class Space(msgspec.Struct, array_like=True):
+    capacity: int
+    used: int
+    free: int
+
+
+WRITE = Method(300, "chunk.write", WriteReq, WriteResp)
+PEER = Method(301, "chunk.peer", PeerEnvelope, Empty)
+READ = Method(302, "chunk.read", ReadBatch, ReadBatchResult, idempotent=True)
+VERSION_QUERY = Method(303, "chunk.version_query", VersionQuery, VersionReply, idempotent=True)
+FETCH = Method(304, "chunk.fetch", FetchChunk, FetchedChunk, idempotent=True)
+REMOVE = Method(305, "chunk.remove", RemoveChunks, Removed, idempotent=True)
+LAST_CHUNK = Method(306, "chunk.last_chunk", LastChunkQuery, LastChunk, idempotent=True)
+SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)

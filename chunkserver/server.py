@@ -1,0 +1,62 @@
+"""Process entry point of ``kvfs chunkserver``."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import trio
+
+from chunkserver.engine import ChunkEngine
+from chunkserver.service import ChunkServer, target_id_for
+from craq.mgmtd import MgmtdClient
+from kvfs.config import ClusterConfig
+from kvfs.errors import KvfsError
+from kvfs.rpc import RpcClient, RpcServer
+from kvfs.service import run_service, serve_rpc, setup_logging
+from kvfs.wire import Limits
+
+#: Chunk writes carry up to a whole chunk in their data section.
+CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
+
+
+def serve_chunkserver(
+    config: ClusterConfig,
+    *,
+    node_id: int,
+    listen: str,
+    targets: list[str],
+    http: str | None = None,
+    log_level: str = "INFO",
+) -> None:
+    setup_logging(log_level)
+    targets = targets or config.chunkserver.targets
+    if not targets:
+        raise KvfsError("no storage targets: pass --target DIR (repeatable) or set [chunkserver] targets")
+    if not config.mgmtd:
+        raise KvfsError("no mgmtd address: set mgmtd = [...] in the config or pass --mgmtd")
+    token = config.resolved_token()
+
+    async def main() -> None:
+        with contextlib.ExitStack() as stack:
+            engines = {
+                target_id_for(node_id, i): stack.enter_context(
+                    ChunkEngine(Path(path), fsync=config.chunkserver.fsync, capacity_bytes=config.chunkserver.capacity_bytes)
+                )
+                for i, path in enumerate(targets)
+            }
+            server = RpcServer(token, limits=CHUNK_LIMITS, name="chunkserver")
+            timeouts = config.timeouts
+            async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
+                                 call_timeout=timeouts.call) as rpc:
+                chunkserver = ChunkServer(
+                    node_id, listen, engines, rpc, MgmtdClient(rpc, config.mgmtd),
+                    heartbeat_interval=timeouts.heartbeat_interval,
+                )
+                chunkserver.register_handlers(server)
+                await serve_rpc(
+                    server, listen, http=http, background=(chunkserver.run,),
+                    health=lambda: {"ok": chunkserver.registered.is_set(), "targets": sorted(engines)},
+                )
+
+    run_service(main)

@@ -1,0 +1,452 @@
+"""``kvfs chunkserver``: storage targets on local disks, driven by the CRAQ state machine.
+
+This module is the driver of :class:`craq.member.ChainMember`: it turns RPCs from clients and peers into the
+member's events, and the member's effects into engine calls and RPCs. It never decides anything about
+replication itself — versions, forwarding, commit order and read safety are the member's.
+
+Ordering: effects that touch a chunk's data (persist, commit, reading a whole chunk to send it) run in a worker
+thread, so each chunk has a FIFO of such effects drained by one task at a time. That keeps per-chunk order
+(a commit of v before the persist of v+1) while different chunks proceed in parallel.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+from crc32c import crc32c
+
+from chunkserver import protocol as p
+from chunkserver.engine import ChunkEngine
+from chunkserver.engine import ChunkId as EngineChunkId
+from craq.cluster import Heartbeat, RoutingSnapshot
+from craq.member import (
+    AskTail,
+    ChainMember,
+    ChunkMeta,
+    Commit,
+    Configure,
+    Effect,
+    Persisted,
+    PersistPending,
+    ReplyClient,
+    ReportToMgmtd,
+    Retry,
+    Send,
+    SendChunk,
+    ServeVersion,
+    Tick,
+)
+from craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
+from craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
+from kvfs.rpc import CallContext, RpcClient, RpcServer
+from kvfs.wire import Empty
+
+log = logging.getLogger("kvfs.chunkserver")
+
+_requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
+
+
+def target_id_for(node_id: int, index: int) -> int:
+    """Target ids are derived from the node id so a restarted server owns the same targets without a registry."""
+    return node_id * 100 + index
+
+
+def _engine_id(chunk_id: ChunkId) -> EngineChunkId:
+    return EngineChunkId(chunk_id.inode, chunk_id.index)
+
+
+def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkMeta]:
+    """What a restarted member resumes from: each chunk's committed and pending versions on disk."""
+    chunks = {}
+    for meta in engine.list_chunks():
+        committed, pending = engine.versions(meta.chunk_id)
+        newest = pending or committed
+        requests = _requests_codec[1].decode(newest.aux) if newest and newest.aux else {}
+        chunks[ChunkId(*meta.chunk_id)] = ChunkMeta(
+            committed.version if committed else 0,
+            committed.crc if committed else 0,
+            committed.length if committed else 0,
+            requests,
+            *((pending.version, pending.crc, pending.length) if pending else ()),
+        )
+    return chunks
+
+
+@dataclass
+class _Waiter:
+    """Clients waiting for one write's reply (a retry of the same request waits beside the original)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    reply: WriteResp | None = None
+    count: int = 0
+
+
+class ChunkServer:
+    """One chunk server: its targets, their chain members, and the tasks that drive them."""
+
+    def __init__(
+        self,
+        node_id: int,
+        address: str,
+        engines: dict[int, ChunkEngine],
+        rpc: RpcClient,
+        mgmtd: MgmtdClient,
+        *,
+        heartbeat_interval: float = 1.0,
+        tick_interval: float = 0.02,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.engines = engines
+        self.rpc = rpc
+        self.mgmtd = mgmtd
+        self.heartbeat_interval = heartbeat_interval
+        self.tick_interval = tick_interval
+        self.clock = clock
+        self.incarnation = time.time_ns()
+        self.members: dict[int, ChainMember] = {}  # target id -> member, once routing places the target
+        self.routing: RoutingSnapshot | None = None
+        self._chain_targets: dict[int, int] = {}  # chain id -> my target in it
+        self._waiters: dict[tuple[int, int], _Waiter] = {}
+        self._chunk_queues: dict[tuple[int, ChunkId], collections.deque[Callable[[], Any]]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.registered = trio.Event()
+
+    def register_handlers(self, server: RpcServer) -> None:
+        for method, handler in (
+            (p.WRITE, self._on_write),
+            (p.PEER, self._on_peer),
+            (p.READ, self._on_read),
+            (p.VERSION_QUERY, self._on_version_query),
+            (p.FETCH, self._on_fetch),
+            (p.REMOVE, self._on_remove),
+            (p.LAST_CHUNK, self._on_last_chunk),
+            (p.SPACE, self._on_space),
+        ):
+            server.register(method, handler)
+
+    async def run(self) -> None:
+        """Register, then heartbeat and tick until cancelled; every effect's task lives in this nursery."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._register()
+            nursery.start_soon(self._heartbeat_loop)
+            nursery.start_soon(self._tick_loop)
+
+    # ------------------------------------------------------------------------------ mgmtd and routing
+
+    async def _register(self) -> None:
+        request = RegisterNode(node_id=self.node_id, address=self.address, targets=sorted(self.engines))
+        while True:
+            try:
+                await self.mgmtd.call(REGISTER, request)
+                break
+            except KvfsError as exc:
+                log.warning("registering with mgmtd failed (%s); retrying", exc.message)
+                await trio.sleep(self.heartbeat_interval)
+        self.registered.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock())
+                reply = await self.mgmtd.call(HEARTBEAT, hb, timeout=self.heartbeat_interval * 2)
+                self._apply_routing(reply.routing, reply.lease_until)
+            except KvfsError as exc:
+                log.warning("heartbeat failed: %s", exc.message)
+            await trio.sleep(self.heartbeat_interval)
+
+    def _apply_routing(self, routing: RoutingSnapshot, lease_until: float) -> None:
+        self.routing = routing
+        for chain in routing.chains:
+            for target in chain.targets:
+                if target.target_id not in self.engines:
+                    continue
+                member = self.members.get(target.target_id)
+                if member is None:
+                    engine = self.engines[target.target_id]
+                    member = self.members[target.target_id] = ChainMember(
+                        target.target_id, chain.chain_id, _member_chunks(engine)
+                    )
+                    self._chain_targets[chain.chain_id] = target.target_id
+                self._feed(target.target_id, Configure(chain, lease_until))
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(self.tick_interval)
+            now = self.clock()
+            for target_id in list(self.members):
+                self._feed(target_id, Tick(now))
+
+    def _address_of_target(self, target_id: int) -> str:
+        assert self.routing is not None
+        for chain in self.routing.chains:
+            for t in chain.targets:
+                if t.target_id == target_id:
+                    return self.routing.addresses[t.node_id]
+        raise StaleRouting(f"target {target_id} is in no chain")
+
+    def _member_for_chain(self, chain_id: int) -> ChainMember:
+        target = self._chain_targets.get(chain_id)
+        if target is None:
+            raise StaleRouting(f"this server holds no target of chain {chain_id}")
+        return self.members[target]
+
+    # ---------------------------------------------------------------------------------- effects
+
+    def _feed(self, target_id: int, event: Any) -> None:
+        """Hand one event to a member and carry out what it asks, in order."""
+        try:
+            effects = self.members[target_id].handle(event)
+        except ProtocolError as exc:
+            log.warning("target %s dropped %s: %s", target_id, type(event).__name__, exc.message)
+            return
+        self._execute(target_id, effects)
+
+    def _execute(self, target_id: int, effects: list[Effect]) -> None:
+        assert self._nursery is not None
+        engine = self.engines[target_id]
+        for effect in effects:
+            if isinstance(effect, Send):
+                self._nursery.start_soon(self._send_peer, effect.target, effect.msg, None)
+            elif isinstance(effect, SendChunk):
+                self._in_chunk_order(target_id, effect.msg.chunk_id,
+                                     lambda e=effect: self._send_whole_chunk(engine, e))
+            elif isinstance(effect, PersistPending):
+                self._in_chunk_order(target_id, effect.chunk_id, lambda e=effect: self._persist(target_id, e))
+            elif isinstance(effect, Commit):
+                self._in_chunk_order(
+                    target_id, effect.chunk_id,
+                    lambda e=effect: trio.to_thread.run_sync(engine.commit, _engine_id(e.chunk_id), e.version),
+                )
+            elif isinstance(effect, ReplyClient):
+                waiter = self._waiters.get((effect.msg.client_id, effect.msg.request_id))
+                if waiter is not None:
+                    waiter.reply = effect.msg
+                    waiter.done.set()
+            elif isinstance(effect, ReportToMgmtd):
+                self._nursery.start_soon(self._report, effect.msg)
+
+    def _in_chunk_order(self, target_id: int, chunk_id: ChunkId, job: Callable[[], Any]) -> None:
+        """Run ``job`` after every earlier job of the same chunk; chunks do not wait for each other."""
+        assert self._nursery is not None
+        key = (target_id, chunk_id)
+        queue = self._chunk_queues.get(key)
+        if queue is not None:
+            queue.append(job)
+            return
+        queue = self._chunk_queues[key] = collections.deque([job])
+        self._nursery.start_soon(self._drain_chunk_queue, key, queue)
+
+    async def _drain_chunk_queue(self, key: tuple[int, ChunkId], queue: collections.deque[Callable[[], Any]]) -> None:
+        try:
+            while queue:
+                try:
+                    await queue[0]()
+                except KvfsError as exc:
+                    log.error("target %s chunk %s: %s", key[0], key[1], exc.message)
+                queue.popleft()
+        finally:
+            del self._chunk_queues[key]
+
+    async def _persist(self, target_id: int, e: PersistPending) -> None:
+        engine = self.engines[target_id]
+        meta = await trio.to_thread.run_sync(
+            lambda: engine.write_pending(
+                _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
+                chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests),
+            )
+        )
+        if target_id in self.members:
+            self._feed(target_id, Persisted(e.chunk_id, e.version, meta.crc, meta.length))
+
+    async def _send_whole_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
+        try:
+            data, _ = await trio.to_thread.run_sync(
+                lambda: engine.read(_engine_id(e.msg.chunk_id), 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
+            )
+        except KvfsError as exc:
+            log.warning("cannot send chunk %s v%s to %s: %s", e.msg.chunk_id, e.msg.version, e.target, exc.message)
+            return
+        self._nursery.start_soon(self._send_peer, e.target, msgspec.structs.replace(e.msg, crc=crc32c(data)), data)
+
+    async def _send_peer(self, target_id: int, msg: Msg, data: Any) -> None:
+        """One-way message to another member; losses are repaired by the member's retransmissions."""
+        if data is None and getattr(msg, "data", None) is not None:
+            data, msg = msg.data, msgspec.structs.replace(msg, data=None)
+        try:
+            address = self._address_of_target(target_id)
+            await self.rpc.call(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
+        except KvfsError as exc:
+            log.debug("message to target %s lost: %s", target_id, exc.message)
+
+    async def _report(self, msg: SyncDone | ChecksumReport) -> None:
+        method = SYNC_DONE if isinstance(msg, SyncDone) else CHECKSUM_REPORT
+        try:
+            await self.mgmtd.call(method, msg)
+        except KvfsError as exc:
+            log.warning("report to mgmtd failed: %s", exc.message)
+
+    # -------------------------------------------------------------------------------- handlers
+
+    async def _on_write(self, req: WriteReq, data: memoryview | None, ctx: CallContext) -> WriteResp:
+        member = self._member_for_chain(req.chain_id)
+        key = (req.client_id, req.request_id)
+        waiter = self._waiters.setdefault(key, _Waiter())
+        waiter.count += 1
+        try:
+            try:
+                effects = member.handle(msgspec.structs.replace(req, data=data if data is not None else b""))
+            except ProtocolError as exc:  # e.g. not the head any more: the client's routing is behind
+                raise StaleRouting(exc.message) from None
+            self._execute(member.target_id, effects)
+            await waiter.done.wait()
+        finally:
+            waiter.count -= 1
+            if not waiter.count:
+                self._waiters.pop(key, None)
+        reply = waiter.reply
+        assert reply is not None
+        if reply.errno:
+            raise from_wire(reply.errno, reply.message)
+        return reply
+
+    async def _on_peer(self, envelope: p.PeerEnvelope, data: memoryview | None, ctx: CallContext) -> Empty:
+        msg = envelope.msg
+        if isinstance(msg, UpdateReq):  # the member always sees an update's bytes attached
+            msg = msgspec.structs.replace(msg, data=data if data is not None else b"")
+        target = self._chain_targets.get(msg.chain_id)
+        if target is None:
+            raise StaleRouting(f"no target of chain {msg.chain_id} here")
+        self._feed(target, msg)
+        return Empty()
+
+    async def _on_version_query(self, q: VersionQuery, data: Any, ctx: CallContext) -> Any:
+        return self._member_for_chain(q.chain_id).answer_version_query(q)
+
+    async def _on_read(self, batch: p.ReadBatch, data: Any, ctx: CallContext) -> Any:
+        results: list[p.ReadResult] = [p.ReadResult()] * len(batch.reads)
+        buffers: list[Any] = [b""] * len(batch.reads)
+
+        async def one(i: int, r: p.ReadRange) -> None:
+            try:
+                version, buf = await self._read_one(r)
+                results[i], buffers[i] = p.ReadResult(0, "", version, len(buf)), buf
+            except KvfsError as exc:
+                results[i] = p.ReadResult(exc.errno or errno.EIO, exc.message)
+
+        async with trio.open_nursery() as nursery:
+            for i, r in enumerate(batch.reads):
+                nursery.start_soon(one, i, r)
+        return p.ReadBatchResult(results), [b for b in buffers if len(b)]
+
+    async def _read_one(self, r: p.ReadRange) -> tuple[int, memoryview | bytes]:
+        if not 0 <= r.offset < p.MAX_CHUNK_SIZE or not 0 <= r.length <= p.MAX_CHUNK_SIZE:
+            raise KvfsError(f"read range {r.offset}+{r.length} outside any chunk", errno.EINVAL)
+        member = self._member_for_chain(r.chain_id)
+        decision = member.read_decision(r.chunk_id, r.chain_version)
+        if isinstance(decision, AskTail):
+            address = self._address_of_target(decision.target)
+            reply = await self.rpc.call(address, p.VERSION_QUERY, decision.query, timeout=5)
+            decision = member.decide_with_tail(r.chunk_id, reply)
+        if isinstance(decision, Retry):
+            raise decision.error
+        assert isinstance(decision, ServeVersion)
+        if decision.version == 0:
+            return 0, b""
+        engine = self.engines[member.target_id]
+        buf = memoryview(bytearray(r.length))
+        try:
+            n = await self._engine_read(engine, r.chunk_id, r.offset, buf, decision.version)
+        except ChecksumMismatch as exc:
+            log.error("target %s chunk %s: %s; repairing from a peer", member.target_id, r.chunk_id, exc.message)
+            await self._repair(member, r.chunk_id)
+            n = await self._engine_read(engine, r.chunk_id, r.offset, buf, decision.version)
+        return decision.version, buf[:n]
+
+    @staticmethod
+    async def _engine_read(engine: ChunkEngine, chunk_id: ChunkId, offset: int, buf: memoryview, version: int) -> int:
+        cid = _engine_id(chunk_id)
+        committed, pending = engine.versions(cid)
+        if committed is None and pending is None:
+            return 0  # removed (truncated or garbage-collected): a hole
+        held = {v.version for v in (committed, pending) if v is not None}
+        if version not in held:
+            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read")
+        if len(buf) <= 256 * 1024:  # small cached reads inline: a thread hop costs more than the read
+            n, _ = engine.read(cid, offset, len(buf), version=version, into=buf)
+        else:
+            n, _ = await trio.to_thread.run_sync(
+                lambda: engine.read(cid, offset, len(buf), version=version, into=buf)
+            )
+        return n
+
+    async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
+        """Replace a corrupt local copy with a peer's committed copy of the same version."""
+        assert member.config is not None
+        committed, _ = member.chunk_versions(chunk_id)
+        for t in member.config.targets:
+            if t.target_id == member.target_id or t.state.value != "serving":
+                continue
+            try:
+                address = self._address_of_target(t.target_id)
+                fetched, data = await self.rpc.call_with_data(address, p.FETCH, p.FetchChunk(t.target_id, chunk_id))
+            except KvfsError as exc:
+                log.warning("repair source %s failed: %s", t.target_id, exc.message)
+                continue
+            if fetched.version != committed:
+                continue
+            engine = self.engines[member.target_id]
+            await trio.to_thread.run_sync(
+                lambda: engine.replace_full(_engine_id(chunk_id), fetched.version, data or b"", fetched.crc)
+            )
+            log.info("target %s chunk %s repaired from target %s", member.target_id, chunk_id, t.target_id)
+            return
+        raise ChecksumMismatch(f"chunk {chunk_id} is corrupt here and no peer holds v{committed}")
+
+    async def _on_fetch(self, req: p.FetchChunk, data: Any, ctx: CallContext) -> Any:
+        engine = self.engines.get(req.target_id)
+        if engine is None:
+            raise StaleRouting(f"target {req.target_id} is not on this server")
+        cid = _engine_id(req.chunk_id)
+        committed, _ = engine.versions(cid)
+        if committed is None:
+            raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
+        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(cid, 0, p.MAX_CHUNK_SIZE))
+        return p.FetchedChunk(meta.version, meta.crc), buf
+
+    async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
+        def remove() -> int:
+            count = 0
+            for engine in self.engines.values():
+                for meta in engine.list_chunks(req.inode):
+                    if meta.chunk_id.index >= req.from_index and engine.remove(meta.chunk_id):
+                        count += 1
+            return count
+
+        return p.Removed(await trio.to_thread.run_sync(remove))
+
+    async def _on_last_chunk(self, req: p.LastChunkQuery, data: Any, ctx: CallContext) -> p.LastChunk:
+        last = p.LastChunk(-1, 0)
+        for engine in self.engines.values():
+            for meta in engine.list_chunks(req.inode):
+                if meta.chunk_id.index > last.index and meta.length:
+                    last = p.LastChunk(meta.chunk_id.index, meta.length)
+        return last
+
+    async def _on_space(self, req: Empty, data: Any, ctx: CallContext) -> p.Space:
+        capacity = used = free = 0
+        for engine in self.engines.values():
+            c, u, f = engine.space()
+            capacity, used, free = capacity + c, used + u, free + f
+        return p.Space(capacity, used, free)
