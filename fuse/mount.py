@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+from contextlib import nullcontext
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,24 +99,27 @@ async def run_mount(
     mount exists, so ``await nursery.start(run_mount, ...)`` returns when it may be used."""
     ops = KvfsOperations(meta, storage, **ops_options)
     mountpoint = os.path.realpath(mountpoint)  # resolve now: after mounting, a stat would wait for us
-    pyfuse3.init(ops, mountpoint, mount_options(allow_other=allow_other, extra=extra_options))
-    try:
-        async with trio.open_nursery() as nursery:
-            ops.nursery = nursery
-            if handle_signals:
-                nursery.start_soon(_on_signals, ops, nursery.cancel_scope)
-            if read_ahead_kb:
-                nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
-            task_status.started(ops)
-            await pyfuse3.main()
-            with trio.move_on_after(10):
-                await ops.flush_all()  # background flushes still in flight
-            nursery.cancel_scope.cancel()  # unmounted from outside (fusermount -u): stop the watcher
-    finally:
+    # The receiver stays open until the mount is gone: a second SIGTERM (e.g. from timeout(1) and a
+    # shell both) must not fall through to the default action and kill us still mounted.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) if handle_signals else nullcontext() as signals:
+        pyfuse3.init(ops, mountpoint, mount_options(allow_other=allow_other, extra=extra_options))
         try:
-            pyfuse3.close(unmount=True)
-        except Exception:
-            log.exception("pyfuse3.close")
+            async with trio.open_nursery() as nursery:
+                ops.nursery = nursery
+                if signals is not None:
+                    nursery.start_soon(_on_signals, ops, signals, nursery.cancel_scope)
+                if read_ahead_kb:
+                    nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
+                task_status.started(ops)
+                await pyfuse3.main()
+                with trio.move_on_after(10):
+                    await ops.flush_all()  # background flushes still in flight
+                nursery.cancel_scope.cancel()  # unmounted from outside (fusermount -u): stop the watcher
+        finally:
+            try:
+                pyfuse3.close(unmount=True)
+            except Exception:
+                log.exception("pyfuse3.close")
 
 
 async def _raise_read_ahead(ops: KvfsOperations, mountpoint: str, kib: int) -> None:
@@ -126,13 +130,12 @@ async def _raise_read_ahead(ops: KvfsOperations, mountpoint: str, kib: int) -> N
         set_read_ahead(mountpoint, kib)
 
 
-async def _on_signals(ops: KvfsOperations, scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("signal %d: flushing and unmounting", signum)
-            with trio.move_on_after(10):
-                await ops.flush_all()
-            pyfuse3.terminate()
-            await trio.sleep(5)  # main() normally returns at once; if a request hangs, stop anyway
-            scope.cancel()
-            return
+async def _on_signals(ops: KvfsOperations, signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("signal %d: flushing and unmounting", signum)
+        with trio.move_on_after(10):
+            await ops.flush_all()
+        pyfuse3.terminate()
+        await trio.sleep(5)  # main() normally returns at once; if a request hangs, stop anyway
+        scope.cancel()
+        return

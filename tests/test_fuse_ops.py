@@ -156,6 +156,11 @@ def test_rename_plain_and_flags(d):
     assert err(os.rename, d / "nope", d / "z") == errno.ENOENT
 
 
+def test_rename_out_of_the_mount_is_exdev(d, tmp_path):
+    (d / "f").write_bytes(b"x")
+    assert err(os.rename, d / "f", tmp_path / "f") == errno.EXDEV  # the kernel's answer, never ours
+
+
 def test_setattr_chmod_chown_utime(d):
     p = d / "f"
     p.write_bytes(b"abc")
