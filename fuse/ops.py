@@ -460,9 +460,7 @@ class KvfsOperations(pyfuse3.Operations):
                 async with self.read_limit:
                     await self.storage.read(st.ino, st.layout, p_off, view[b:b + n])
 
-            async with trio.open_nursery() as nursery:
-                for p_off, b, n in pieces:
-                    nursery.start_soon(one, p_off, b, n)
+            await _parallel(one, pieces)
         return out
 
     @_fuse_errors
@@ -508,9 +506,7 @@ class KvfsOperations(pyfuse3.Operations):
                 async with self.write_limit:
                     await self.storage.write(st.ino, st.layout, p_off, data[b:b + n])
 
-            async with trio.open_nursery() as nursery:
-                for p_off, b, n in pieces:
-                    nursery.start_soon(one, p_off, b, n)
+            await _parallel(one, pieces)
         end = off + len(data)
         st.size = max(st.size, end)
         if h.session is not None:
@@ -529,6 +525,7 @@ class KvfsOperations(pyfuse3.Operations):
             return
         if self.nursery is None:
             await self._flush_handle(h)
+            self._raise_error(h)
             return
         data, off, n = h.buf, h.buf_off, h.buf_len
         h.buf = h.spare if h.spare is not None else bytearray()
@@ -552,15 +549,20 @@ class KvfsOperations(pyfuse3.Operations):
                 ev.set()
 
     async def _flush_handle(self, h: _Handle) -> None:
-        """Write out the handle's buffer and wait for its flushes (caller holds h.lock)."""
+        """Write out the handle's buffer and wait for its flushes (caller holds h.lock).  A failure
+        drops the buffer and is kept in ``h.error`` for the handle's writer (its next write, flush
+        or fsync), as with a background flush: a reader that triggered the flush does not get it."""
         await self._wait_inflight(h)
         if not h.buf_len:
             return
         data = memoryview(h.buf)[:h.buf_len]
         try:
             await self._write_through(h, h.buf_off, data)
-            h.buf_len = 0
+        except Exception as e:  # noqa: BLE001
+            log.warning("flush of inode %d [%d, +%d) failed: %r", h.state.ino, h.buf_off, h.buf_len, e)
+            h.error = e if isinstance(e, OSError) else OSError(errno.EIO, repr(e))
         finally:
+            h.buf_len = 0
             data.release()
 
     async def _flush_inode(self, st: _InodeState) -> None:
@@ -606,6 +608,23 @@ class KvfsOperations(pyfuse3.Operations):
                 await self._flush_inode(st)
             except Exception:
                 log.exception("flushing inode %d before unmount", st.ino)
+
+
+async def _parallel(fn, pieces) -> None:
+    """Run ``fn(*piece)`` for every piece concurrently; a failure comes out as the plain exception
+    (its errno intact), not as the ExceptionGroup a nursery raises."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for piece in pieces:
+                nursery.start_soon(fn, *piece)
+    except BaseExceptionGroup as group:
+        _, rest = group.split(trio.Cancelled)
+        if rest is None:
+            raise
+        leaf = rest
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from group
 
 
 def _chunk_pieces(chunk_size: int, offset: int, length: int):

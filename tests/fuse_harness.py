@@ -47,8 +47,9 @@ class LocalMeta:
 class LocalFileStorage:
     """``kvfs.storage.FileStorage`` over a single local ChunkEngine (one replica, no chains)."""
 
-    def __init__(self, engine: ChunkEngine) -> None:
+    def __init__(self, engine: ChunkEngine, *, fail_writes_from: int | None = None) -> None:
         self.engine = engine
+        self.fail_writes_from = fail_writes_from  # tests: writes reaching this offset fail with ENOSPC
         self._locks: dict[ChunkId, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -102,6 +103,8 @@ class LocalFileStorage:
 
     async def write(self, ino, layout, offset, data):
         data = memoryview(data).cast("B")
+        if self.fail_writes_from is not None and offset + len(data) > self.fail_writes_from:
+            raise KvfsError("injected: no space", errno.ENOSPC)
         await trio.to_thread.run_sync(self._write_sync, ino, layout.chunk_size, offset, data)
 
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
@@ -139,7 +142,7 @@ class StorageChunkRemover:
 
 
 # ---------------------------------------------------------------------------------- server
-def build(state_dir: Path, *, chunk_size: int | None = None):
+def build(state_dir: Path, *, chunk_size: int | None = None, fail_writes_from: int | None = None):
     """(meta, storage, engine) over STATE_DIR: a MetaStore on SQLite, a ChunkEngine beside it."""
     from meta.kv import SqliteDatabase
     from meta.store import MetaStore
@@ -155,13 +158,14 @@ def build(state_dir: Path, *, chunk_size: int | None = None):
         root_layout=layout,
     )
     store.format(mode=0o755)
-    return LocalMeta(store), LocalFileStorage(engine), engine
+    return LocalMeta(store), LocalFileStorage(engine, fail_writes_from=fail_writes_from), engine
 
 
-async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int) -> None:
+async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int,
+                fail_writes_from: int | None = None) -> None:
     from fuse.mount import run_mount
 
-    meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size)
+    meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size, fail_writes_from=fail_writes_from)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: run_mount(
@@ -180,10 +184,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("state_dir")
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--write-buffer", type=int, default=8 << 20)
+    p.add_argument("--fail-writes-from", type=int, default=None)
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.WARNING, stream=sys.stderr)
-    trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer)
+    trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer, a.fail_writes_from)
 
 
 if __name__ == "__main__":

@@ -261,6 +261,33 @@ def test_unlinked_open_file_stays_readable(d):
         assert f.read() == b"keep me"
 
 
+def test_storage_errors_reach_the_writer(tmp_path):
+    """A storage failure during a (background) buffer flush comes back from write, fsync or close."""
+    m = start_mount(tmp_path, "--fail-writes-from", str(MIB), "--write-buffer", str(256 * 1024))
+    try:
+        p = m.path / "f"
+        fd = os.open(p, os.O_CREAT | os.O_WRONLY)
+        os.write(fd, b"a" * 1000)
+        os.fsync(fd)  # below the limit: fine
+        codes = set()
+        try:
+            for _ in range(16):
+                os.write(fd, b"b" * (128 * 1024))  # crosses 1 MiB: a background flush fails
+        except OSError as e:
+            codes.add(e.errno)
+        for op in (os.fsync, os.close):
+            try:
+                op(fd)
+            except OSError as e:
+                codes.add(e.errno)
+        assert codes == {errno.ENOSPC}
+        assert os.stat(p).st_size >= 1000
+        with open(p, "rb") as f:
+            assert f.read(1000) == b"a" * 1000
+    finally:
+        stop_mount(m)
+
+
 # ------------------------------------------------------------------ lifecycle
 def test_sigterm_flushes_and_unmounts(tmp_path):
     m = start_mount(tmp_path)
