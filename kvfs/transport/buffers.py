@@ -25,7 +25,7 @@ import msgspec
 from kvfs.transport.errors import BufferExhausted, UnregisteredMemory
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
-U64 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFFFFFFFFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack caps ints at 2**64 - 1; msgspec bounds stop at int64
 #: One RDMA message carries at most 2 GiB (ibv_port_attr.max_msg_sz is 2^31 on common HCAs).
 MAX_RDMA_MESSAGE = 1 << 31
 RdmaLength = Annotated[int, msgspec.Meta(ge=0, le=MAX_RDMA_MESSAGE)]

@@ -304,8 +304,10 @@ class RdmaDevice:
         self.gid_index = gid_index
         try:
             self.ctx = pv.device.Context(name=name)
-        except Exception as exc:
-            raise verbs_error(exc, f"opening RDMA device {name}") from None
+        except Exception as exc:  # no such device, or no RDMA stack at all: this host cannot do RDMA
+            code = getattr(exc, "error_code", -1)
+            code = code if isinstance(code, int) and code > 0 else errno.ENODEV
+            raise RdmaUnavailable(f"opening RDMA device {name}: {exc}", code) from None
         try:
             self.device_attr = self.ctx.query_device()
             self.port_attr = self.ctx.query_port(port)
@@ -341,8 +343,11 @@ class RdmaDevice:
 class CompletionPoller:
     """Delivers a CQ's completions to the trio tasks waiting on their ``wr_id``s (see the module docstring)."""
 
-    def __init__(self, cq: Any, *, spin_s: float = 50e-6, max_sleep_s: float = 1e-3) -> None:
+    def __init__(
+        self, cq: Any, *, spin_s: float = 50e-6, max_sleep_s: float = 1e-3, completion_timeout_s: float = 30.0
+    ) -> None:
         self._cq = cq
+        self._completion_timeout_s = completion_timeout_s
         self._spin_s = spin_s
         self._max_sleep_s = max_sleep_s
         self._waiters: dict[int, list[Any]] = {}  # wr_id -> [event, status, vendor_err, byte_len]
@@ -375,11 +380,17 @@ class CompletionPoller:
         """Wait for ``wr_id``'s completion and return its byte count.
 
         Shielded from cancellation: the NIC keeps reading or writing the buffers until the completion
-        arrives (the QP's retry timeout bounds that), so the caller must not reuse them before. A pending
-        cancellation is delivered at the caller's next checkpoint.
+        arrives (the QP's retry timeout bounds that, and a QP in ERROR flushes every outstanding request), so
+        the caller must not reuse them before. A pending cancellation is delivered at the caller's next
+        checkpoint. Should no completion come within ``completion_timeout_s`` (a wedged device), the poller is
+        failed for good: its QP must be torn down before its buffers are trusted again.
         """
         with trio.CancelScope(shield=True):
-            await event.wait()
+            with trio.move_on_after(self._completion_timeout_s):
+                await event.wait()
+        if not event.is_set():
+            self._fail_all(RdmaError(f"{what} (wr_id {wr_id}): no completion after {self._completion_timeout_s:g}s",
+                                     errno.ETIMEDOUT))
         slot = self._waiters.pop(wr_id)
         status, vendor_err, byte_len = slot[1], slot[2], slot[3]
         if isinstance(status, KvfsError):
