@@ -6,7 +6,7 @@ read lease must fence them). Clients write unique values and read a few chunks, 
 retry with the same request id. :func:`run` returns the history; :func:`check` verifies it.
 
 Simplifications: mgmtd itself never fails and clients read its routing directly (heartbeats and SyncDone do go
-through the lossy network); one target per chain per node; at most one node down at a time.
+through the lossy network); one target per chain per node.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class SimConfig:
     drop: float = 0.03
     slow: float = 0.05  # fraction of messages delayed 20-80 ms (reordering)
     crash_every: float = 0.25  # mean time between faults
+    max_down: int = 1  # nodes crashed at the same time
+    cut_off_share: float = 0.4  # of faults that cut a node off from mgmtd rather than crash it
     heartbeat_every: float = 0.05
     heartbeat_timeout: float = 0.3
     lease: float = 0.2
@@ -318,11 +320,12 @@ class Sim:
             return
         down = [n for n in self.nodes.values() if not n.alive]
         node = self.rng.choice(list(self.nodes.values()))
-        if not down and self.rng.random() < 0.7:
+        if self.rng.random() < self.cfg.cut_off_share:
+            # cut off from mgmtd: it keeps serving peers and clients with old routing until its lease runs out
+            node.cut_off_until = self.now + self.rng.uniform(0.1, 0.8)
+        elif len(down) < self.cfg.max_down and node.alive:
             node.alive = False
             self.at(self.rng.uniform(0.05, 0.6), lambda: self._restart(node))
-        else:  # cut a node off from mgmtd: it keeps talking to peers but its lease runs out
-            node.cut_off_until = self.now + self.rng.uniform(0.1, 0.6)
         self.at(self.rng.expovariate(1 / self.cfg.crash_every), self._fault)
 
     def _restart(self, node: _Node) -> None:
@@ -368,7 +371,7 @@ class _Client:
             return
         self.request_id += 1
         cid = self.sim.rng.choice(self.sim.chunk_ids)
-        if self.sim.rng.random() < 0.5:
+        if self.sim.rng.random() < (0.7, 0.5, 0.1)[self.client_id % 3]:  # writers, mixed, mostly readers
             value = f"c{self.client_id}r{self.request_id}".encode().ljust(16, b".")
             self.op = _ClientOp("write", cid, value, self.sim.now, self.request_id)
         else:
@@ -394,7 +397,10 @@ class _Client:
             self.sim.to_target(serving[0], lambda n, m: self.sim.execute(n, m.target_id, m.handle(w)))
         else:
             r = ReadReq(chain.chain_id, chain.chain_version, op.chunk, 0, 16)
-            self.sim.read_at(self.sim.rng.choice(serving), self, tag, r)
+            # mostly a preferred replica (as a client near one would), so stale routing is not refreshed by luck
+            sticky = self.sim.rng.random() < 0.8
+            target = serving[self.client_id % len(serving)] if sticky else self.sim.rng.choice(serving)
+            self.sim.read_at(target, self, tag, r)
 
     def failed(self, op: _ClientOp, tag: int, backoff: float = 0.0) -> None:
         """Timeout or error of attempt ``tag``: refresh routing and try again (same request id)."""

@@ -212,13 +212,22 @@ def test_tail_failure_redrives_pending_and_new_tail_commits_before_serving():
 
 
 def test_new_tail_does_not_serve_a_pending_it_held_when_it_became_tail():
-    chain = Chain(config(1, (1, S), (2, S), (3, S)))
-    mid = chain.members[2]
-    mid.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))  # persisting, not yet done
-    mid.handle(Configure(config(2, (1, S), (2, S), (3, O)), 100.0))
-    decision = mid.read_decision(CID, 2)
-    assert isinstance(decision, Retry) and decision.error.errno == errno.EAGAIN
-    assert mid.answer_version_query(VersionQuery(1, 2, CID, 1, 1)).errno == errno.EAGAIN
+    """The old tail committed (and may have served) v1; the new tail still forwards v1 to a syncing target."""
+    chain = Chain(config(1, (1, S), (2, S), (3, S), (4, Y)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    while chain.members[3].chunk_versions(CID) != (1, None):  # deliver until the old tail 3 committed
+        target, msg = chain.outbox.pop(0)
+        chain.run(target, chain.members[target].handle(msg))
+    chain.outbox.clear()  # 3 dies: its ack to 2 is lost
+    assert chain.members[3].read_decision(CID, 1) == ServeVersion(1)  # v1 was visible at the old tail
+    new = config(2, (1, S), (2, S), (4, Y), (3, O))
+    chain.reconfigure(new, 1, 2, 4)
+    new_tail = chain.members[2]
+    decision = new_tail.read_decision(CID, 2)
+    assert isinstance(decision, Retry) and decision.error.errno == errno.EAGAIN  # not v0: that would un-see v1
+    assert new_tail.answer_version_query(VersionQuery(1, 2, CID, 1, 1)).errno == errno.EAGAIN
+    chain.deliver_all()  # 4 acks the re-driven v1 (it already committed it)
+    assert new_tail.read_decision(CID, 2) == ServeVersion(1) and chain.replies[-1].errno == 0
 
 
 def test_head_failure_leaves_the_pending_write_to_the_new_head():

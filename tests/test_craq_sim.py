@@ -1,6 +1,6 @@
 """Whole-cluster deterministic simulation: every seed's history must be linearizable per chunk.
 
-Reproduce a failing seed:  KVFS_SIM_SEED=123 .venv/bin/python -m pytest tests/test_craq_sim.py -k seed
+Reproduce a failing seed:  KVFS_SIM_SEED=123 .venv/bin/python -m pytest tests/test_craq_sim.py -k "default-seed"
 Run more seeds:            KVFS_SIM_SEEDS=5000 (seeds 0..4999) or KVFS_SIM_SEEDS=5000:6000
 """
 
@@ -22,11 +22,21 @@ def _seeds() -> list[int]:
     return list(range(int(start or 0), int(stop)))
 
 
-@pytest.mark.parametrize("seed", _seeds(), ids=lambda s: f"seed={s}")
-def test_seed(seed: int):
-    result = sim.run(seed)
-    problems = sim.check(result)
-    assert not problems, f"KVFS_SIM_SEED={seed} fails:\n" + "\n".join(problems)
+# "harsh": up to every node down at once (chains lose all serving targets: lastsrv), more loss and reordering
+PROFILES = {"default": sim.SimConfig(), "harsh": sim.SimConfig(max_down=5, drop=0.1, slow=0.1, crash_every=0.15)}
+
+
+def _cases() -> list:
+    """Every seed in the default profile; every third (or the one asked for) in the harsh one."""
+    seeds = _seeds()
+    harsh = seeds if len(seeds) == 1 else seeds[::3]
+    return [pytest.param(p, s, id=f"{p}-seed={s}") for p, ss in (("default", seeds), ("harsh", harsh)) for s in ss]
+
+
+@pytest.mark.parametrize(("profile", "seed"), _cases())
+def test_seed(profile: str, seed: int):
+    problems = sim.check(sim.run(seed, PROFILES[profile]))
+    assert not problems, f"KVFS_SIM_SEED={seed} ({profile}) fails:\n" + "\n".join(problems)
 
 
 def test_runs_are_deterministic_and_exercise_faults():
