@@ -95,3 +95,60 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
         config.mgmtd = list(mgmtd)
     _fail_cleanly(lambda: serve_chunkserver(config, node_id=node_id, listen=listen, targets=list(targets),
                                             http=http_address, log_level=log_level))
+
+
+@main.command("mount")
+@_config_option
+@click.argument("mountpoint", type=click.Path(file_okay=False, exists=True))
+@click.option("--read-ahead-kb", default=4096, show_default=True, help="Kernel readahead for the mount.")
+def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int) -> None:
+    """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled)."""
+    from fuse.main import serve_mount
+
+    config = _load(config_path)
+    _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb))
+
+
+@main.command("up")
+@click.option("--data", type=click.Path(file_okay=False), required=True, help="Directory for config, logs and data.")
+@click.option("--mount", "mountpoint", type=click.Path(file_okay=False), required=True, help="Where to mount.")
+@click.option("--chunkservers", default=3, show_default=True, type=click.IntRange(1, 64))
+@click.option("--replicas", default=3, show_default=True, type=click.IntRange(1, 16))
+def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int) -> None:
+    """Start (or restart what is not running of) a local cluster and mount it."""
+    from pathlib import Path
+
+    from kvfs.localcluster import LocalCluster
+
+    cluster = LocalCluster(Path(data))
+    layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo))
+    click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
+    click.echo(f"  client config: {cluster.client_config_path}")
+    click.echo(f"  status:        kvfs status --data {data}")
+    click.echo(f"  stop:          kvfs down --data {data}")
+
+
+@main.command("down")
+@click.option("--data", type=click.Path(file_okay=False), required=True)
+def down_cmd(data: str) -> None:
+    """Unmount and stop everything kvfs up started (data is kept)."""
+    from pathlib import Path
+
+    from kvfs.localcluster import LocalCluster
+
+    _fail_cleanly(lambda: LocalCluster(Path(data)).down(echo=click.echo))
+
+
+@main.command("status")
+@click.option("--data", type=click.Path(file_okay=False), required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status_cmd(data: str, as_json: bool) -> None:
+    """Show each process, target and chain of a local cluster."""
+    from pathlib import Path
+
+    from kvfs.localcluster import LocalCluster, format_status, status_json
+
+    report = _fail_cleanly(lambda: LocalCluster(Path(data)).status())
+    click.echo(status_json(report) if as_json else format_status(report), nl=not as_json or True)
+    if any(not p["alive"] for p in report["processes"]) or "error" in report:
+        raise SystemExit(1)

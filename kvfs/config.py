@@ -24,6 +24,7 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import tomli_w
@@ -89,13 +90,20 @@ def load_config(path: str | os.PathLike[str] | None) -> ClusterConfig:
 
 def save_config(config: ClusterConfig, path: str | os.PathLike[str], *, private: bool = True) -> None:
     """Write ``config`` as TOML; ``private`` keeps it readable by the owner only, since it may hold the token."""
-    data = {k: v for k, v in msgspec.to_builtins(config).items() if v is not None}
+    data = _without_none(msgspec.to_builtins(config))
     target = Path(path)
     tmp = target.with_suffix(target.suffix + ".tmp")
     tmp.write_text(tomli_w.dumps(data))
     if private:
         tmp.chmod(0o600)
     tmp.replace(target)
+
+
+def _without_none(value: Any) -> Any:
+    """TOML has no null: leave unset options out so they take their defaults when read back."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return value
 
 
 def new_token() -> str:

@@ -1,0 +1,35 @@
+"""Process entry point of ``kvfs mount``: the mount wired to the real metadata service and chunk servers."""
+
+from __future__ import annotations
+
+import trio
+
+from chunkserver.client import StorageClient
+from chunkserver.server import CHUNK_LIMITS
+from craq.mgmtd import MgmtdClient
+from kvfs.config import ClusterConfig
+from kvfs.errors import KvfsError
+from kvfs.rpc import RpcClient
+from kvfs.service import setup_logging
+from meta.client import RemoteMeta
+
+from .mount import run_mount
+
+
+def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INFO", **options: object) -> None:
+    """Mount until SIGTERM/SIGINT or an external unmount."""
+    setup_logging(log_level)
+    if not config.meta or not config.mgmtd:
+        raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses to mount")
+    token = config.resolved_token()
+
+    async def main() -> None:
+        timeouts = config.timeouts
+        async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
+                             call_timeout=timeouts.call) as rpc:
+            meta = RemoteMeta(rpc, config.meta)
+            storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
+            await run_mount(meta, storage, mountpoint, **options)
+            rpc.close()
+
+    trio.run(main)

@@ -1,0 +1,322 @@
+"""``kvfs up`` / ``kvfs down`` / ``kvfs status``: a whole cluster on one host, for everyone without Ansible.
+
+Everything lives under one data directory:
+
+* ``cluster.toml`` — the config every process reads (token, addresses, KV store URL), private to the owner;
+* ``client.toml`` — what a client needs (addresses and token) for kvclient and other tools;
+* ``local.json`` — this tool's own record: ports, chunk server count, replicas, mount point;
+* ``logs/<name>.log`` and ``run/<name>.pid`` — one per process; ``targets/cs<N>`` — chunk data.
+
+``up`` is idempotent: run again on the same directory it restarts only what is not running and keeps all data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from kvfs.config import ClusterConfig, Timeouts, load_config, new_token, save_config
+from kvfs.errors import KvfsError
+
+
+class LocalLayout(msgspec.Struct, kw_only=True):
+    mgmtd: str
+    meta: str
+    chunkservers: dict[int, str]
+    replicas: int
+    mount: str
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str
+    role: str
+    address: str
+    argv: list[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _process_exists(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child (up and down in one process)
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=0.3).close()
+        return True
+    except OSError:
+        return False
+
+
+class LocalCluster:
+    def __init__(self, data: Path) -> None:
+        self.data = data.resolve()
+        self.config_path = self.data / "cluster.toml"
+        self.client_config_path = self.data / "client.toml"
+        self.layout_path = self.data / "local.json"
+
+    # ------------------------------------------------------------------------------ bookkeeping
+
+    def _init(self, mount: Path, chunkservers: int, replicas: int) -> tuple[ClusterConfig, LocalLayout]:
+        if self.layout_path.exists():
+            layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
+            config = load_config(self.config_path)
+            if str(mount.resolve()) != layout.mount:
+                layout.mount = str(mount.resolve())
+                self.layout_path.write_bytes(msgspec.json.encode(layout))
+            return config, layout
+        if not 1 <= replicas <= chunkservers:
+            raise KvfsError(f"--replicas {replicas} needs at least as many chunk servers (have {chunkservers})",
+                            errno.EINVAL)
+        for sub in ("logs", "run", "targets"):
+            (self.data / sub).mkdir(parents=True, exist_ok=True)
+        layout = LocalLayout(
+            mgmtd=f"127.0.0.1:{_free_port()}",
+            meta=f"127.0.0.1:{_free_port()}",
+            chunkservers={i: f"127.0.0.1:{_free_port()}" for i in range(1, chunkservers + 1)},
+            replicas=replicas,
+            mount=str(mount.resolve()),
+        )
+        config = ClusterConfig(
+            token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
+            timeouts=Timeouts(heartbeat_interval=0.5, heartbeat_timeout=3.0, lease=3.0),
+        )
+        save_config(config, self.config_path)
+        save_config(ClusterConfig(token=config.token, mgmtd=config.mgmtd, meta=config.meta), self.client_config_path)
+        self.layout_path.write_bytes(msgspec.json.encode(layout))
+        return config, layout
+
+    def _load(self) -> tuple[ClusterConfig, LocalLayout]:
+        if not self.layout_path.exists():
+            raise KvfsError(f"{self.data} holds no kvfs cluster (run kvfs up --data {self.data} first)", errno.ENOENT)
+        return load_config(self.config_path), msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
+
+    def processes(self, layout: LocalLayout) -> list[Process]:
+        kvfs = [sys.executable, "-m", "kvfs"]
+        cfg = ["--config", str(self.config_path)]
+        procs = [Process("mgmtd", "mgmtd", layout.mgmtd, [*kvfs, "mgmtd", *cfg, "--listen", layout.mgmtd])]
+        for node, address in sorted(layout.chunkservers.items()):
+            target = self.data / "targets" / f"cs{node}"
+            procs.append(Process(f"cs{node}", "chunkserver", address, [
+                *kvfs, "chunkserver", *cfg, "--node-id", str(node), "--listen", address, "--target", str(target)]))
+        procs.append(Process("meta", "meta", layout.meta, [*kvfs, "meta", *cfg, "--listen", layout.meta]))
+        procs.append(Process("mount", "mount", layout.mount, [*kvfs, "mount", *cfg, layout.mount]))
+        return procs
+
+    def _pidfile(self, name: str) -> Path:
+        return self.data / "run" / f"{name}.pid"
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of a running process we started, or None (a stale pid file or a reused pid is not ours)."""
+        try:
+            pid = int(self._pidfile(name).read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return None
+        return pid if b"kvfs" in cmdline and str(self.config_path).encode() in cmdline else None
+
+    def _start(self, proc: Process) -> subprocess.Popen[bytes]:
+        with open(self.data / "logs" / f"{proc.name}.log", "ab") as log:
+            child = subprocess.Popen(proc.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=self.data)
+        self._pidfile(proc.name).write_text(str(child.pid))
+        return child
+
+    def _wait(self, proc: Process, ready: Any, child: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            alive = child.poll() is None if child is not None else self.pid_of(proc.name) is not None
+            if not alive:
+                tail = (self.data / "logs" / f"{proc.name}.log").read_text(errors="replace")[-2000:]
+                raise KvfsError(f"{proc.name} exited during start-up; its log ends with:\n{tail}")
+            if time.monotonic() > deadline:
+                raise KvfsError(f"{proc.name} did not become ready in {timeout:g}s (see logs/{proc.name}.log)")
+            time.sleep(0.05)
+
+    # --------------------------------------------------------------------------------------- up
+
+    def up(self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print) -> LocalLayout:
+        config, layout = self._init(mount, chunkservers, replicas)
+        Path(layout.mount).mkdir(parents=True, exist_ok=True)
+        for proc in self.processes(layout):
+            if proc.role == "mount":
+                self._ensure_chains(config, layout, echo)
+                if self.pid_of(proc.name) is not None and os.path.ismount(layout.mount):
+                    continue
+                from fuse.mount import force_unmount
+
+                force_unmount(layout.mount)  # a crashed daemon's dead mount point
+                self._wait(proc, lambda: os.path.ismount(layout.mount), self._start(proc))
+                echo(f"mounted kvfs at {layout.mount}")
+                continue
+            child = None
+            if self.pid_of(proc.name) is None:
+                child = self._start(proc)
+                echo(f"started {proc.name} (pid {child.pid}) on {proc.address}")
+            self._wait(proc, lambda: _listening(proc.address), child)
+        return layout
+
+    def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any) -> None:
+        """Create the chain table on first start, then wait until every target serves."""
+        from craq.messages import TargetState
+        from craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+        from kvfs.rpc import RpcClient
+        from kvfs.wire import Empty
+
+        async def run() -> None:
+            async with RpcClient(config.resolved_token(), connect_timeout=1, call_timeout=5) as rpc:
+                mgmtd = MgmtdClient(rpc, config.mgmtd)
+                with trio.fail_after(60):
+                    while True:
+                        status = await mgmtd.call(STATUS, Empty())
+                        if len(status.nodes) >= len(layout.chunkservers):
+                            break
+                        await trio.sleep(0.1)
+                    if not status.routing.chains:
+                        created = await mgmtd.call(CREATE_CHAINS, CreateChains(replicas=layout.replicas))
+                        echo(f"created chains {created.chain_ids} with {layout.replicas} replicas each")
+                    while True:
+                        status = await mgmtd.call(STATUS, Empty())
+                        states = [t.state for c in status.routing.chains for t in c.targets]
+                        if states and all(s is TargetState.SERVING for s in states):
+                            return
+                        await trio.sleep(0.2)
+
+        try:
+            trio.run(run)
+        except trio.TooSlowError:
+            raise KvfsError("targets did not all become serving within 60 s; see kvfs status and logs/") from None
+
+    # ------------------------------------------------------------------------------------- down
+
+    def down(self, echo: Any = print) -> None:
+        """Unmount first (so no writer is cut off mid-flush), then stop every service at once."""
+        config, layout = self._load()
+        from fuse.mount import force_unmount
+
+        mount, *services = reversed(self.processes(layout))
+        if os.path.ismount(layout.mount):
+            subprocess.run(["fusermount3", "-u", layout.mount], capture_output=True)
+        self._stop([mount], echo)
+        if os.path.ismount(layout.mount):
+            force_unmount(layout.mount)
+        self._stop(services, echo)
+
+    def _stop(self, procs: list[Process], echo: Any, grace: float = 10.0) -> None:
+        """SIGTERM each process group, wait up to ``grace`` seconds for all, then SIGKILL the rest."""
+        running = {p.name: pid for p in procs if (pid := self.pid_of(p.name)) is not None}
+        for pid in running.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while running and time.monotonic() < deadline:
+            for name, pid in list(running.items()):
+                if not _process_exists(pid):
+                    echo(f"stopped {name} (pid {pid})")
+                    del running[name]
+            time.sleep(0.05)
+        for name, pid in running.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            echo(f"killed {name} (pid {pid}): it ignored SIGTERM for {grace:g}s")
+        for proc in procs:
+            self._pidfile(proc.name).unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        config, layout = self._load()
+        processes = []
+        for proc in self.processes(layout):
+            pid = self.pid_of(proc.name)
+            alive = pid is not None and (os.path.ismount(proc.address) if proc.role == "mount" else _listening(proc.address))
+            processes.append({"name": proc.name, "role": proc.role, "pid": pid, "address": proc.address, "alive": alive})
+        report: dict[str, Any] = {"data": str(self.data), "processes": processes, "targets": [], "chains": []}
+        try:
+            cluster = trio.run(self._mgmtd_status, config)
+        except KvfsError as exc:
+            report["error"] = f"mgmtd unreachable: {exc.message}"
+            return report
+        addresses = {n.node_id: n.address for n in cluster.nodes}
+        for chain in cluster.routing.chains:
+            report["chains"].append({
+                "chain_id": chain.chain_id, "version": chain.chain_version,
+                "targets": [t.target_id for t in chain.targets],
+            })
+            for t in chain.targets:
+                report["targets"].append({
+                    "target_id": t.target_id, "node_id": t.node_id, "host": addresses.get(t.node_id, "?"),
+                    "chain_id": chain.chain_id, "state": t.state.value,
+                })
+        return report
+
+    @staticmethod
+    async def _mgmtd_status(config: ClusterConfig) -> Any:
+        from craq.mgmtd import STATUS, MgmtdClient
+        from kvfs.rpc import RpcClient
+        from kvfs.wire import Empty
+
+        async with RpcClient(config.resolved_token(), connect_timeout=1, call_timeout=3, retries=0) as rpc:
+            return await MgmtdClient(rpc, config.mgmtd, rounds=1).call(STATUS, Empty())
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """Human-readable tables for ``kvfs status``."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    out = StringIO()
+    console = Console(file=out, width=120)
+    table = Table(title=f"processes ({report['data']})")
+    for column in ("name", "role", "pid", "address", "alive"):
+        table.add_column(column)
+    for p in report["processes"]:
+        table.add_row(p["name"], p["role"], str(p["pid"] or "-"), p["address"], "yes" if p["alive"] else "NO")
+    console.print(table)
+    if "error" in report:
+        console.print(report["error"])
+        return out.getvalue()
+    targets = Table(title="targets")
+    for column in ("target", "node", "host", "chain", "state"):
+        targets.add_column(column)
+    for t in report["targets"]:
+        targets.add_row(str(t["target_id"]), str(t["node_id"]), t["host"], str(t["chain_id"]), t["state"])
+    console.print(targets)
+    chains = Table(title="chains")
+    for column in ("chain", "version", "targets (chain order)"):
+        chains.add_column(column)
+    for c in report["chains"]:
+        chains.add_row(str(c["chain_id"]), str(c["version"]), " -> ".join(map(str, c["targets"])))
+    console.print(chains)
+    return out.getvalue()
+
+
+def status_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2)
