@@ -138,7 +138,7 @@ class ClusterManager:
         if chain is None or chain.chain_version != msg.chain_version or chain.state_of(msg.target_id) is not TargetState.SYNCING:
             return []
         self._set(chain, {msg.target_id: TargetState.SERVING})
-        return [msg.chain_id, *self._start_syncs()]
+        return sorted({msg.chain_id, *self._start_syncs()})
 
     # ------------------------------------------------------------------------------------- transitions
 

@@ -66,7 +66,7 @@ def test_returning_target_waits_syncs_one_at_a_time_then_serves():
     assert layout(mgr, 1) == [(30, S), (10, Y), (20, W)]
     version = mgr.state.chains[1].chain_version
     assert mgr.sync_done(SyncDone(1, version - 1, 10)) == []  # stale report: ignored
-    assert mgr.sync_done(SyncDone(1, version, 10)) == [1, 1]
+    assert mgr.sync_done(SyncDone(1, version, 10)) == [1]
     assert layout(mgr, 1) == [(30, S), (10, S), (20, Y)]
 
 
