@@ -11,7 +11,8 @@ Rules
 4. The last member of the write chain (serving targets, then at most one syncing target) commits first;
    the commit flows back as :class:`UpdateAck`; the head commits last and then replies to the client.
 5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch. Acks carry the
-   sender's committed chunk CRC; a predecessor whose own CRC differs reports it to mgmtd.
+   sender's committed chunk CRC; a predecessor whose own CRC differs reports it to mgmtd (comparing each
+   adjacent pair finds any divergence along the chain).
 6. A message whose chain version differs from ours is refused (clients get ``StaleRouting``/ESTALE, peers a
    ``STALE`` ack or silence); the sender re-drives once it has the new chain config.
 7. Reads: only serving members with an unexpired mgmtd lease answer. A clean chunk answers from its committed
@@ -131,7 +132,11 @@ class SendChunk:
 
 @dataclass(frozen=True)
 class PersistPending:
-    """``engine.write_pending(...)``, keeping ``requests`` with the version; report :class:`Persisted`."""
+    """``engine.write_pending(...)`` in the background, then report :class:`Persisted`.
+
+    ``crc`` covers ``data`` (the whole chunk when ``full_replace``); ``requests`` is the idempotency table to
+    store with this version (see :class:`ChunkMeta`).
+    """
 
     chunk_id: ChunkId
     version: int

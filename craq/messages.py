@@ -194,7 +194,7 @@ class ChecksumReport(Msg, frozen=True, tag=True):
     version: int
 
 
-PeerMessage = UpdateReq | UpdateAck | VersionQuery | SyncQuery | SyncState
+# Decode any chain message with ``msgspec.msgpack.decode(buf, type=WireMessage)``.
 WireMessage = (
     WriteReq | WriteResp | UpdateReq | UpdateAck | ReadReq | ReadResp | VersionQuery | VersionReply
     | SyncQuery | SyncState | SyncDone | ChecksumReport | ChainConfig
