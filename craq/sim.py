@@ -2,8 +2,11 @@
 
 One seeded :class:`random.Random` drives everything: message delays (so reordering), drops, node crashes
 and restarts (a restarted node keeps only what its engine persisted), and nodes cut off from mgmtd (their
-read lease must fence them). Clients write unique values and read a few chunks, time out, refresh routing and
-retry with the same request id. :func:`run` returns the history; :func:`check` verifies it.
+read lease must fence them). Clients time out, refresh routing and retry with the same request id.
+
+Each chunk holds ``SLOTS`` registers of ``SLOT`` bytes; a write is a partial chunk write of a unique value to
+one slot (so successors must apply it on the right base version), a read reads the whole chunk. Histories are
+kept per (chunk, slot). :func:`run` returns them; :func:`check` verifies them.
 
 Simplifications: mgmtd itself never fails and clients read its routing directly (heartbeats and SyncDone do go
 through the lossy network); one target per chain per node.
@@ -32,6 +35,9 @@ from craq.member import (
 from craq.messages import (
     ChecksumReport, ChunkId, ReadReq, ReadResp, SyncDone, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
 )
+
+
+SLOTS, SLOT = 2, 8
 
 
 @dataclass
@@ -98,7 +104,7 @@ class SimConfig:
 @dataclass
 class SimResult:
     seed: int
-    history: dict[ChunkId, list[Op]]
+    history: dict[tuple[ChunkId, int], list[Op]]  # per (chunk, slot)
     checksum_reports: list[ChecksumReport]
     final_replicas: dict[ChunkId, set[tuple[int, bytes]]]  # per chunk: (version, data) at each serving target
     final_states: list[str]
@@ -143,7 +149,7 @@ class Sim:
             n: _Node(n, {t: chain_of[t] for t, node in chosen if node == n}) for n in range(1, cfg.nodes + 1)
         }
         self.chunk_ids = [ChunkId(1, i) for i in range(cfg.chunks)]
-        self.history: dict[ChunkId, list[Op]] = {c: [] for c in self.chunk_ids}
+        self.history: dict[tuple[ChunkId, int], list[Op]] = {(c, s): [] for c in self.chunk_ids for s in range(SLOTS)}
         self.checksum_reports: list[ChecksumReport] = []
         self.clients = [_Client(self, i + 1) for i in range(cfg.clients)]
 
@@ -260,7 +266,7 @@ class Sim:
                 engine.commit(e.chunk_id, e.version)
             elif isinstance(e, ReplyClient):
                 client = self.clients[e.msg.client_id - 1]
-                self.send(lambda msg=e.msg: client.on_write_resp(msg))
+                self.send(lambda msg=e.msg, client=client: client.on_write_resp(msg))
             elif isinstance(e, ReportToMgmtd):
                 self.send(lambda msg=e.msg: self._mgmtd_report(msg))
 
@@ -351,6 +357,7 @@ class _ClientOp:
     value: bytes
     invoke: float
     request_id: int
+    slot: int = 0
     tag: int = -1  # the attempt in flight; -1 while waiting to retry
 
 
@@ -372,8 +379,9 @@ class _Client:
         self.request_id += 1
         cid = self.sim.rng.choice(self.sim.chunk_ids)
         if self.sim.rng.random() < (0.7, 0.5, 0.1)[self.client_id % 3]:  # writers, mixed, mostly readers
-            value = f"c{self.client_id}r{self.request_id}".encode().ljust(16, b".")
-            self.op = _ClientOp("write", cid, value, self.sim.now, self.request_id)
+            value = f"c{self.client_id}r{self.request_id}".encode().ljust(SLOT, b".")
+            slot = self.sim.rng.randrange(SLOTS)
+            self.op = _ClientOp("write", cid, value, self.sim.now, self.request_id, slot)
         else:
             self.op = _ClientOp("read", cid, b"", self.sim.now, self.request_id)
         self.attempt(self.op)
@@ -383,7 +391,7 @@ class _Client:
             return
         if self.sim.now - op.invoke > self.sim.cfg.give_up_after:
             if op.kind == "write":  # unknown outcome: may or may not have happened
-                self.sim.history[op.chunk].append(Op("write", op.value, op.invoke, None, self.label()))
+                self.sim.history[op.chunk, op.slot].append(Op("write", op.value, op.invoke, None, self.label()))
             return self.finish()
         op.tag = tag = next(self.tags)
         self.sim.at(self.sim.cfg.client_timeout, lambda: self.failed(op, tag))
@@ -392,11 +400,11 @@ class _Client:
         if not serving:
             return
         if op.kind == "write":
-            w = WriteReq(chain.chain_id, chain.chain_version, op.chunk, self.client_id, op.request_id, 0,
-                         crc32c(op.value), op.value)
+            w = WriteReq(chain.chain_id, chain.chain_version, op.chunk, self.client_id, op.request_id,
+                         op.slot * SLOT, crc32c(op.value), op.value)
             self.sim.to_target(serving[0], lambda n, m: self.sim.execute(n, m.target_id, m.handle(w)))
         else:
-            r = ReadReq(chain.chain_id, chain.chain_version, op.chunk, 0, 16)
+            r = ReadReq(chain.chain_id, chain.chain_version, op.chunk, 0, SLOTS * SLOT)
             # mostly a preferred replica (as a client near one would), so stale routing is not refreshed by luck
             sticky = self.sim.rng.random() < 0.8
             target = serving[self.client_id % len(serving)] if sticky else self.sim.rng.choice(serving)
@@ -410,12 +418,13 @@ class _Client:
             self.sim.at(backoff, lambda: self.attempt(op))
 
     def on_write_resp(self, msg: WriteResp) -> None:
+        assert msg.client_id == self.client_id, f"reply for client {msg.client_id} delivered to {self.client_id}"
         op = self.op
         if op is None or op.kind != "write" or msg.request_id != op.request_id:
             return
         if msg.errno:
             return self.failed(op, op.tag, backoff=0.005)
-        self.sim.history[op.chunk].append(Op("write", op.value, op.invoke, self.sim.now, self.label()))
+        self.sim.history[op.chunk, op.slot].append(Op("write", op.value, op.invoke, self.sim.now, self.label()))
         self.finish()
 
     def on_read_resp(self, tag: int, msg: ReadResp) -> None:
@@ -424,7 +433,9 @@ class _Client:
             return
         if msg.errno:
             return self.failed(op, tag, backoff=0.005)
-        self.sim.history[op.chunk].append(Op("read", msg.data, op.invoke, self.sim.now, self.label()))
+        for slot in range(SLOTS):
+            value = msg.data[slot * SLOT: (slot + 1) * SLOT].strip(b"\0")  # never written: zeros or nothing
+            self.sim.history[op.chunk, slot].append(Op("read", value, op.invoke, self.sim.now, self.label()))
         self.finish()
 
     def label(self) -> str:
@@ -442,10 +453,10 @@ def run(seed: int, cfg: SimConfig | None = None) -> SimResult:
 def check(result: SimResult) -> list[str]:
     """Everything wrong with a run, as readable lines; empty when the run is correct."""
     problems = []
-    for cid, ops in result.history.items():
+    for (cid, slot), ops in result.history.items():
         if not check_register(ops):
             lines = "\n".join(f"  {o.kind} {o.value!r} [{o.invoke:.4f}, {o.response}] {o.label}" for o in ops)
-            problems.append(f"chunk {cid} history is not linearizable:\n{lines}")
+            problems.append(f"chunk {cid} slot {slot} history is not linearizable:\n{lines}")
     for cid, replicas in result.final_replicas.items():
         if len(replicas) != 1:
             problems.append(f"chunk {cid} replicas diverge after healing: {replicas}")
