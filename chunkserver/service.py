@@ -103,8 +103,12 @@ class ChunkServer:
         *,
         heartbeat_interval: float = 1.0,
         tick_interval: float = 0.02,
+        retransmit_after: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``retransmit_after``: how long a member waits for an ack before sending an update again. TCP does
+        not lose messages on a live connection, so this only covers broken connections and chain changes;
+        too short a wait re-sends whole chunks that are merely slow to persist."""
         self.node_id = node_id
         self.address = address
         self.engines = engines
@@ -112,6 +116,7 @@ class ChunkServer:
         self.mgmtd = mgmtd
         self.heartbeat_interval = heartbeat_interval
         self.tick_interval = tick_interval
+        self.retransmit_after = retransmit_after
         self.clock = clock
         self.incarnation = time.time_ns()
         self.members: dict[int, ChainMember] = {}  # target id -> member, once routing places the target
@@ -176,7 +181,7 @@ class ChunkServer:
                 if member is None:
                     engine = self.engines[target.target_id]
                     member = self.members[target.target_id] = ChainMember(
-                        target.target_id, chain.chain_id, _member_chunks(engine)
+                        target.target_id, chain.chain_id, _member_chunks(engine), self.retransmit_after
                     )
                     self._chain_targets[chain.chain_id] = target.target_id
                 self._feed(target.target_id, Configure(chain, lease_until))

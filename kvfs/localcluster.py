@@ -160,13 +160,16 @@ class LocalCluster:
 
     # --------------------------------------------------------------------------------------- up
 
-    def up(self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print) -> LocalLayout:
+    def up(
+        self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True
+    ) -> LocalLayout:
+        """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient)."""
         config, layout = self._init(mount, chunkservers, replicas)
         Path(layout.mount).mkdir(parents=True, exist_ok=True)
         for proc in self.processes(layout):
             if proc.role == "mount":
                 self._ensure_chains(config, layout, echo)
-                if self.pid_of(proc.name) is not None and os.path.ismount(layout.mount):
+                if not mounted or self.pid_of(proc.name) is not None and os.path.ismount(layout.mount):
                     continue
                 from fuse.mount import force_unmount
 

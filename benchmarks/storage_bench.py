@@ -1,0 +1,99 @@
+"""Storage-client benchmark: chunk write and read throughput on a real local cluster, replication 3.
+
+    .venv/bin/python benchmarks/storage_bench.py [--mib-per-stream 64] [--fsync/--no-fsync]
+
+Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount) in a temporary directory, then for
+chunk sizes of 1, 4 and 16 MiB and 1 and 8 concurrent streams (each stream its own file, whole-chunk
+writes) measures write and read GB/s through :class:`chunkserver.client.StorageClient`, beside a plain
+loopback socket pump measured in the same run, and prints the ratios. Every byte written is replicated
+three times, so the network carries 3x the write figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+from rpc_bench import plain_pump, plain_server
+
+from chunkserver.client import StorageClient
+from chunkserver.server import CHUNK_LIMITS
+from craq.mgmtd import MgmtdClient
+from kvfs.config import load_config, save_config
+from kvfs.localcluster import LocalCluster
+from kvfs.rpc import RpcClient
+from meta.types import Layout
+
+CHUNK_SIZES = [1 << 20, 4 << 20, 16 << 20]
+
+
+async def measure(config, chunk_size: int, streams: int, per_stream: int) -> tuple[float, float]:
+    async with RpcClient(config.resolved_token(), limits=CHUNK_LIMITS) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), window=8)
+        layout = Layout(chunk_size=chunk_size, stripe=16, seed=chunk_size)
+        payload = memoryview(os.urandom(chunk_size))
+        chunks = max(1, per_stream // chunk_size)
+        base = time.monotonic_ns() % (1 << 40)
+
+        async def writer(i: int) -> None:
+            for c in range(chunks):
+                await storage.write(base + i, layout, c * chunk_size, payload)
+
+        async def reader(i: int) -> None:
+            buf = memoryview(bytearray(chunk_size))
+            for c in range(chunks):
+                await storage.read(base + i, layout, c * chunk_size, buf)
+
+        figures = []
+        for job in (writer, reader):
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(streams):
+                    nursery.start_soon(job, i)
+            figures.append(streams * chunks * chunk_size / (time.perf_counter() - start) / 1e9)
+        return figures[0], figures[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib-per-stream", type=int, default=64)
+    parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True,
+                        help="chunk servers fsync every write (the durable default)")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    pump = ctx.Process(target=plain_server, args=(queue,), daemon=True)
+    pump.start()
+    pump_port = queue.get(timeout=30)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
+        cluster = LocalCluster(Path(tmp) / "cluster")
+        cluster._init(Path(tmp) / "mnt", 3, 3)
+        config = load_config(cluster.config_path)
+        config.chunkserver.fsync = args.fsync
+        save_config(config, cluster.config_path)
+        try:
+            cluster.up(Path(tmp) / "mnt", mounted=False, echo=lambda *a: None)
+            rows = []
+            for chunk_size in CHUNK_SIZES:
+                ceiling = plain_pump(pump_port, chunk_size, 1.5) / 1e9
+                for streams in (1, 8):
+                    write, read = trio.run(measure, config, chunk_size, streams, args.mib_per_stream << 20)
+                    rows.append((chunk_size, streams, write, read, ceiling))
+        finally:
+            cluster.down(echo=lambda *a: None)
+            pump.terminate()
+    print(f"replication 3, fsync={'on' if args.fsync else 'off'}, {args.mib_per_stream} MiB per stream")
+    print(f"{'chunk':>6} {'streams':>7} {'write GB/s':>11} {'read GB/s':>10} {'socket pump GB/s':>17}"
+          f" {'write/pump':>11} {'read/pump':>10}")
+    for chunk_size, streams, write, read, ceiling in rows:
+        print(f"{chunk_size >> 20:>4}Mi {streams:>7} {write:>11.3f} {read:>10.3f} {ceiling:>17.2f}"
+              f" {write / ceiling:>11.2f} {read / ceiling:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
