@@ -81,6 +81,20 @@ class LastChunk(msgspec.Struct, array_like=True):
     length: int
 
 
+class ChunkStatQuery(msgspec.Struct, array_like=True):
+    target_id: int
+    chunk_id: ChunkId
+
+
+class ChunkStat(msgspec.Struct, array_like=True):
+    """One replica's view of a chunk (version 0: it has none), for ``kvfs admin check-file``."""
+
+    version: int
+    length: int
+    crc: int
+    pending_version: int = 0
+
+
 class Space(msgspec.Struct, array_like=True):
     capacity: int
     used: int
@@ -95,3 +109,4 @@ FETCH = Method(304, "chunk.fetch", FetchChunk, FetchedChunk, idempotent=True)
 REMOVE = Method(305, "chunk.remove", RemoveChunks, Removed, idempotent=True)
 LAST_CHUNK = Method(306, "chunk.last_chunk", LastChunkQuery, LastChunk, idempotent=True)
 SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
+CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)

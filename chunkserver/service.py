@@ -137,6 +137,7 @@ class ChunkServer:
             (p.REMOVE, self._on_remove),
             (p.LAST_CHUNK, self._on_last_chunk),
             (p.SPACE, self._on_space),
+            (p.CHUNK_STAT, self._on_chunk_stat),
         ):
             server.register(method, handler)
 
@@ -455,3 +456,12 @@ class ChunkServer:
             c, u, f = engine.space()
             capacity, used, free = capacity + c, used + u, free + f
         return p.Space(capacity, used, free)
+
+    async def _on_chunk_stat(self, req: p.ChunkStatQuery, data: Any, ctx: CallContext) -> p.ChunkStat:
+        engine = self.engines.get(req.target_id)
+        if engine is None:
+            raise StaleRouting(f"target {req.target_id} is not on this server")
+        committed, pending = engine.versions(_engine_id(req.chunk_id))
+        if committed is None:
+            return p.ChunkStat(0, 0, 0, pending.version if pending else 0)
+        return p.ChunkStat(committed.version, committed.length, committed.crc, pending.version if pending else 0)

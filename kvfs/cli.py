@@ -152,3 +152,65 @@ def status_cmd(data: str, as_json: bool) -> None:
     click.echo(status_json(report) if as_json else format_status(report), nl=not as_json or True)
     if any(not p["alive"] for p in report["processes"]) or "error" in report:
         raise SystemExit(1)
+
+
+@main.group("admin")
+def admin() -> None:
+    """Operate a running cluster: status, chain tables, replica checks."""
+
+
+@admin.command("status")
+@_config_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def admin_status(config_path: str | None, log_level: str, as_json: bool) -> None:
+    """Nodes, targets and chains as the primary mgmtd sees them."""
+    import msgspec
+
+    from kvfs import admin as ops
+
+    status = _fail_cleanly(lambda: ops.run(ops.cluster_status, _load(config_path)))
+    if as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(status)).decode())
+        return
+    click.echo(f"primary mgmtd: {status.primary}")
+    for node in status.nodes:
+        state = "alive" if node.alive else f"DEAD ({node.seconds_since_heartbeat:.0f}s since heartbeat)"
+        click.echo(f"node {node.node_id} {node.address} {state} targets={node.targets}")
+    for chain in status.routing.chains:
+        members = " -> ".join(f"{t.target_id}({t.state.value})" for t in chain.targets)
+        click.echo(f"chain {chain.chain_id} v{chain.chain_version}: {members}")
+
+
+@admin.command("create-chains")
+@_config_option
+@click.option("--replicas", default=3, show_default=True, type=click.IntRange(1, 16))
+def admin_create_chains(config_path: str | None, log_level: str, replicas: int) -> None:
+    """Group every registered target not yet in a chain into chains of REPLICAS targets on distinct nodes."""
+    from kvfs import admin as ops
+
+    created = _fail_cleanly(lambda: ops.run(ops.create_chains, _load(config_path), replicas))
+    click.echo(f"created chains {created}")
+
+
+@admin.command("check-file")
+@_config_option
+@click.argument("path")
+def admin_check_file(config_path: str | None, log_level: str, path: str) -> None:
+    """Compare every replica of every chunk of PATH (a path inside the filesystem, e.g. /data/x)."""
+    from rich.progress import Progress
+
+    from kvfs import admin as ops
+
+    config = _load(config_path)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("checking chunks", total=None)
+        attr, chunks = _fail_cleanly(lambda: ops.run(
+            ops.check_file, config, path, lambda done, total: progress.update(task, completed=done, total=total)))
+    bad = [c for c in chunks if not c.consistent]
+    for c in chunks:
+        replicas = "  ".join(f"{r.target_id}:{r.state}:v{r.version}/{r.length}B/crc{r.crc:08x}{'!' + r.error if r.error else ''}"
+                             for r in c.replicas)
+        click.echo(f"chunk {c.index} chain {c.chain_id} {'ok' if c.consistent else 'MISMATCH'}  {replicas}")
+    click.echo(f"inode {attr.ino}, {attr.size} bytes, {len(chunks)} chunks, {len(bad)} inconsistent")
+    if bad:
+        raise SystemExit(1)

@@ -386,7 +386,13 @@ class RpcClient:
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         self.close()
         assert self._exit_stack is not None
-        return await self._exit_stack.__aexit__(*exc_info)
+        try:
+            return await self._exit_stack.__aexit__(*exc_info)
+        except BaseExceptionGroup as group:
+            # The nursery wraps whatever the body raised; callers of a client expect the error itself.
+            if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+                raise group.exceptions[0] from None
+            raise
 
     def close(self) -> None:
         for conn in list(self._connections.values()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import operator
 import types
 import typing
@@ -59,16 +60,25 @@ class Operation:
     method: Method
     signature: inspect.Signature
     params: tuple[str, ...]
+    names: frozenset[str]  # parameters that are names/paths: str accepted, bytes on the wire
 
     def request(self, caller: Caller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> msgspec.Struct:
         bound = self.signature.bind(None, caller, *args, **kwargs)
         bound.apply_defaults()
-        return self.method.request(**{name: bound.arguments[name] for name in ("caller", *self.params)})
+        values = {name: bound.arguments[name] for name in ("caller", *self.params)}
+        for name in self.names:
+            if isinstance(values[name], str):
+                values[name] = os.fsencode(values[name])
+        return self.method.request(**values)
+
+
+def _is_name(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and {bytes, str} <= set(typing.get_args(hint))
 
 
 def _wire_type(hint: Any) -> Any:
     """Names arrive as ``bytes | str`` in the store; on the wire they are always bytes (msgpack can't tell)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and {bytes, str} <= set(typing.get_args(hint)):
+    if _is_name(hint):
         rest = [a for a in typing.get_args(hint) if a not in (bytes, str)]
         return functools.reduce(operator.or_, rest, bytes)
     return hint
@@ -87,7 +97,8 @@ def _derive(name: str, position: int, idempotent: bool) -> Operation:
     request = msgspec.defstruct(f"{title}Request", fields, kw_only=True, module=__name__)
     response = msgspec.defstruct(f"{title}Response", [("value", hints.get("return", Any))], module=__name__)
     method = Method(METHOD_BASE + position, f"meta.{name}", request, response, idempotent=idempotent)
-    return Operation(name, method, signature, tuple(p.name for p in params))
+    names = frozenset(p.name for p in params if _is_name(hints.get(p.name)))
+    return Operation(name, method, signature, tuple(p.name for p in params), names)
 
 
 def _available() -> dict[str, Operation]:
