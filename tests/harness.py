@@ -117,5 +117,5 @@ def write_config(path: Path, **timeouts: float) -> Path:
     settings = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "lease": 1.0, "call": 10.0, "connect": 1.0}
     settings.update(timeouts)
     path.write_text("[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
-                    + "\n[chunkserver]\nfsync = false\n")
+                    + "\n[chunkserver]\nfsync = false\n\n[meta-service]\ngc_interval = 0.3\n")
     return path

@@ -141,3 +141,23 @@ async def test_corrupt_replica_is_served_from_a_peer_and_repaired(cluster, proce
     processes.stop_all()
     first, *others = replica_contents(tmp_path, (1, 2, 3))
     assert all(other == first for other in others)  # the corrupt copy was repaired
+
+
+async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
+    from meta.client import RemoteMeta
+    from meta.types import ROOT
+
+    cluster.start_meta()
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        meta = RemoteMeta(rpc, cluster.meta)
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        opened = await meta.create(ROOT, 1, b"doomed", 0o644)
+        ino = opened.attr.ino
+        layout = await meta.get_layout(ROOT, ino)
+        await storage.write(ino, layout, 0, os.urandom(3 * layout.chunk_size + 5))
+        await meta.close(ROOT, ino, opened.session, 3 * layout.chunk_size + 5)
+        assert (await storage.last_chunk(ino))[0] == 3
+        await meta.unlink(ROOT, 1, b"doomed")
+        with trio.fail_after(15):  # the meta service's collector removes the chunks everywhere
+            while (await storage.last_chunk(ino))[0] != -1:
+                await trio.sleep(0.1)
