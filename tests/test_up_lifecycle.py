@@ -1,0 +1,266 @@
+"""``kvfs up`` / ``kvfs status`` / ``kvfs down`` on real processes (issue 4, §2 and §3.1).
+
+One cluster serves the read-mostly checks of this module (fresh-directory state, status, idempotent up,
+restart of killed processes); ``down`` gets a cluster of its own.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+import time
+import tomllib
+
+import pytest
+
+pytest.register_assert_rewrite("cluster_fixtures")
+from cluster_fixtures import NEEDS_FUSE, SERVICES, KvfsCluster, is_mounted, process_alive, started, wait_until
+
+pytest_plugins = ["cluster_fixtures"]
+pytestmark = NEEDS_FUSE
+
+# The kernel answers stat of a dead mount's root from its attribute cache (1 s) and only then with ENOTCONN;
+# wait that out so the tests see what a daemon that died a while ago leaves behind, every time.
+ATTR_CACHE_EXPIRY = 2.0
+ALL = (*SERVICES, "mount")
+ROLES = {"mgmtd": "mgmtd", "cs1": "chunkserver", "cs2": "chunkserver", "cs3": "chunkserver", "meta": "meta",
+         "mount": "mount"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with started("kvfs-up-") as c:
+        yield c
+
+
+def local_layout(c: KvfsCluster) -> dict:
+    return json.loads((c.data / "local.json").read_text())
+
+
+def pids(c: KvfsCluster) -> dict[str, int | None]:
+    return {name: c.pid(name) for name in ALL}
+
+
+def write_files(root) -> dict[str, str]:
+    """A small tree: empty, small, multi-chunk (1 MiB chunks) and unaligned files; returns path -> sha256."""
+    os.makedirs(root / "sub" / "deeper", exist_ok=True)
+    files = {
+        "empty": b"",
+        "small": b"hello kvfs\n",
+        "sub/three-chunks": os.urandom(3 * (1 << 20) + 12345),
+        "sub/deeper/odd": os.urandom(70_001),
+    }
+    for rel, data in files.items():
+        with open(root / rel, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+
+
+def check_files(root, expected: dict[str, str]) -> None:
+    for rel, digest in expected.items():
+        assert hashlib.sha256((root / rel).read_bytes()).hexdigest() == digest, rel
+
+
+# ------------------------------------------------------------------------------------------------ up
+def test_up_on_a_fresh_directory_mounts_and_writes_its_state(cluster):
+    c = cluster
+    assert is_mounted(c.mount)
+    st = os.statvfs(c.mount)
+    assert st.f_namemax == 255 and st.f_blocks > 0
+    (c.mount / "hello").write_bytes(b"world")
+    assert (c.mount / "hello").read_bytes() == b"world"
+    os.unlink(c.mount / "hello")
+
+    # client.toml: what a client needs, and nothing a client could use to open the KV store itself
+    cluster_cfg = tomllib.loads(c.config.read_text())
+    client_path = c.data / "client.toml"
+    client_cfg = tomllib.loads(client_path.read_text())
+    assert client_cfg["token"] == cluster_cfg["token"] and len(client_cfg["token"]) >= 32
+    layout = local_layout(c)
+    assert client_cfg["mgmtd"] == [layout["mgmtd"]] == cluster_cfg["mgmtd"]
+    assert client_cfg["meta"] == [layout["meta"]] == cluster_cfg["meta"]
+    for path in (client_path, c.config):  # both hold the token
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0, path
+    assert sorted(layout["chunkservers"]) == ["1", "2", "3"] and layout["replicas"] == 3
+    assert layout["mount"] == str(c.mount)
+
+    # a pid file and a log per process, the pid alive and running that role
+    for name in ALL:
+        pid_file, log = c.data / "run" / f"{name}.pid", c.data / "logs" / f"{name}.log"
+        assert pid_file.is_file() and log.is_file(), name
+        pid = int(pid_file.read_text())
+        assert process_alive(pid), name
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        assert b"kvfs" in argv and ROLES[name].encode() in argv and str(c.config).encode() in argv, (name, argv)
+    for node in (1, 2, 3):
+        assert (c.data / "targets" / f"cs{node}").is_dir()
+
+
+def test_status_json_lists_processes_targets_and_chains(cluster):
+    c = cluster
+    r = c.kvfs("status", "--data", str(c.data), "--json")
+    report = json.loads(r.stdout)
+    layout = local_layout(c)
+    addresses = {"mgmtd": layout["mgmtd"], "meta": layout["meta"], "mount": str(c.mount),
+                 **{f"cs{n}": a for n, a in layout["chunkservers"].items()}}
+    procs = {p["name"]: p for p in report["processes"]}
+    assert set(procs) == set(ALL)
+    for name, p in procs.items():
+        assert p["role"] == ROLES[name]
+        assert p["pid"] == c.pid(name) and p["pid"] is not None
+        assert p["address"] == addresses[name]
+        assert p["alive"] is True
+    assert "error" not in report
+
+    cs_addresses = set(layout["chunkservers"].values())
+    targets = report["targets"]
+    assert len(targets) == 3
+    assert {t["host"] for t in targets} == cs_addresses  # one target per chunk server, each on its own
+    assert all(t["state"] == "serving" for t in targets)
+    assert len({t["target_id"] for t in targets}) == 3
+    assert len(report["chains"]) == 1
+    chain = report["chains"][0]
+    assert sorted(chain["targets"]) == sorted(t["target_id"] for t in targets)
+    assert all(t["chain_id"] == chain["chain_id"] for t in targets)
+    assert chain["version"] >= 1
+
+    human = c.kvfs("status", "--data", str(c.data)).stdout
+    for word in ("processes", "targets", "chains", "serving", *ALL):
+        assert word in human
+
+
+def test_up_again_is_a_no_op_when_everything_runs(cluster):
+    c = cluster
+    (c.mount / "noop").write_bytes(b"kept")
+    before = pids(c)
+    r = c.up()
+    assert "started" not in r.stdout and "mounted" not in r.stdout, r.stdout
+    assert pids(c) == before
+    assert (c.mount / "noop").read_bytes() == b"kept"
+
+
+def test_up_restarts_only_a_killed_chunk_server_and_keeps_data(cluster):
+    c = cluster
+    root = c.mount / "restart-cs"
+    expected = write_files(root)
+    before = pids(c)
+
+    c.kill("cs2")
+    report = c.status()  # status sees it gone, and mgmtd soon takes its target out of service
+    alive = {p["name"]: p["alive"] for p in report["processes"]}
+    assert alive == {n: n != "cs2" for n in ALL}
+    cs2 = local_layout(c)["chunkservers"]["2"]
+    wait_until(lambda: {t["state"] for t in c.status()["targets"] if t["host"] == cs2} - {"serving"}, 20,
+               "mgmtd to mark cs2's target not serving")
+    assert c.kvfs("status", "--data", str(c.data), check=False).returncode != 0
+    check_files(root, expected)  # two replicas still serve every chunk
+    (root / "while-down").write_bytes(b"written with cs2 down")
+
+    r = c.up()
+    assert started_names(r.stdout) == {"cs2"}, r.stdout
+    assert "mounted" not in r.stdout
+    after = pids(c)
+    assert after["cs2"] is not None and after["cs2"] != before["cs2"]
+    assert {n: p for n, p in after.items() if n != "cs2"} == {n: p for n, p in before.items() if n != "cs2"}
+    report = c.status()
+    assert all(p["alive"] for p in report["processes"])
+    assert all(t["state"] == "serving" for t in report["targets"])  # up waits for cs2 to sync back
+    check_files(root, expected)
+    assert (root / "while-down").read_bytes() == b"written with cs2 down"
+
+
+def started_names(stdout: str) -> set[str]:
+    return {line.split()[1] for line in stdout.splitlines() if line.startswith("started ")}
+
+
+@pytest.mark.xfail(strict=True, reason="kvfs/localcluster.py LocalCluster.up: Path(layout.mount).mkdir(exist_ok=True) "
+                   "stats the dead mount a SIGKILLed daemon leaves and crashes with ENOTCONN before restarting it")
+def test_up_restarts_a_killed_chunk_server_and_mount_daemon_and_keeps_data():
+    with started("kvfs-up-kill-") as c:
+        root = c.mount / "restart"
+        expected = write_files(root)
+        before = pids(c)
+
+        c.kill("cs2")
+        c.kill("mount")
+        time.sleep(ATTR_CACHE_EXPIRY)
+        assert is_mounted(c.mount)  # a killed daemon leaves a dead mount behind ...
+        with pytest.raises(OSError) as info:
+            os.listdir(c.mount)
+        assert info.value.errno == errno.ENOTCONN  # ... that answers ENOTCONN
+        alive = {p["name"]: p["alive"] for p in c.status()["processes"]}
+        assert alive == {n: n not in ("cs2", "mount") for n in ALL}
+
+        r = c.up()
+        assert started_names(r.stdout) == {"cs2"}, r.stdout
+        assert "mounted kvfs" in r.stdout
+        after = pids(c)
+        for name in ALL:
+            if name in ("cs2", "mount"):
+                assert after[name] is not None and after[name] != before[name], name
+            else:
+                assert after[name] == before[name], name
+        report = c.status()
+        assert all(p["alive"] for p in report["processes"])
+        assert all(t["state"] == "serving" for t in report["targets"])
+        check_files(root, expected)
+        (root / "after").write_bytes(b"new writes go through all three again")
+        assert (root / "after").read_bytes() == b"new writes go through all three again"
+
+
+def test_up_refuses_more_replicas_than_chunk_servers(tmp_path):
+    c = KvfsCluster(tmp_path, chunkservers=2, replicas=3)
+    try:
+        r = c.up(check=False)
+        assert r.returncode != 0 and "replicas" in (r.stdout + r.stderr)
+        assert c.our_processes() == [] and not is_mounted(c.mount)
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------------------------- down
+def test_down_unmounts_and_stops_everything_and_up_brings_the_data_back():
+    with started("kvfs-down-") as c:
+        expected = write_files(c.mount / "tree")
+        running = pids(c)
+        assert all(running.values())
+        c.down()
+        assert not is_mounted(c.mount)
+        assert c.our_processes() == []
+        assert not any(process_alive(pid) for pid in running.values())
+        assert list((c.data / "run").glob("*.pid")) == []
+        c.down()  # down twice is harmless
+
+        c.up()  # the same directory: same ports, same data
+        check_files(c.mount / "tree", expected)
+        c.down()
+        assert not is_mounted(c.mount) and c.our_processes() == []
+
+
+@pytest.mark.xfail(strict=True, reason="kvfs/localcluster.py LocalCluster.down: os.path.ismount() is False for the dead "
+                   "mount a SIGKILLed daemon leaves (stat fails with ENOTCONN), so down never unmounts it")
+def test_down_clears_the_dead_mount_of_a_killed_daemon():
+    with started("kvfs-down-dead-") as c:
+        c.kill("mount")
+        time.sleep(ATTR_CACHE_EXPIRY)
+        assert is_mounted(c.mount)
+        c.down()
+        assert c.our_processes() == []
+        assert not is_mounted(c.mount)
+
+
+def test_status_reports_every_process_down_when_mgmtd_is_down():
+    with started("kvfs-status-down-") as c:
+        c.kill("mgmtd")
+        report = c.status()
+        alive = {p["name"]: p["alive"] for p in report["processes"]}
+        assert alive == {n: n != "mgmtd" for n in ALL}
+        assert "mgmtd unreachable" in report["error"]
+        c.down()
+        report = c.status()
+        assert not any(p["alive"] or p["pid"] for p in report["processes"]) and "error" in report
