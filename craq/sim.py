@@ -8,8 +8,8 @@ Each chunk holds ``SLOTS`` registers of ``SLOT`` bytes; a write is a partial chu
 one slot (so successors must apply it on the right base version), a read reads the whole chunk. Histories are
 kept per (chunk, slot). :func:`run` returns them; :func:`check` verifies them.
 
-Simplifications: mgmtd itself never fails and clients read its routing directly (heartbeats and SyncDone do go
-through the lossy network); one target per chain per node.
+Simplifications: mgmtd fails over instantly (a standby loads the persisted state) and clients read its routing
+directly (heartbeats and SyncDone do go through the lossy network); one target per chain per node.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from crc32c import crc32c
 
 from kvfs.errors import NotCommitted
 
-from craq.cluster import ClusterManager, Heartbeat
+from craq.cluster import ClusterManager, ClusterState, Heartbeat
 from craq.linearizable import Op, check_register
 from craq.member import (
     AskTail, ChainMember, ChunkMeta, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
@@ -92,7 +92,8 @@ class SimConfig:
     slow: float = 0.05  # fraction of messages delayed 20-80 ms (reordering)
     crash_every: float = 0.25  # mean time between faults
     max_down: int = 1  # nodes crashed at the same time
-    cut_off_share: float = 0.4  # of faults that cut a node off from mgmtd rather than crash it
+    failover_share: float = 0.1  # of faults that fail mgmtd over to a standby (state reloaded from storage)
+    cut_off_share: float = 0.4  # of the other faults: cut a node off from mgmtd rather than crash it
     heartbeat_every: float = 0.05
     heartbeat_timeout: float = 0.3
     lease: float = 0.2
@@ -326,13 +327,22 @@ class Sim:
             return
         down = [n for n in self.nodes.values() if not n.alive]
         node = self.rng.choice(list(self.nodes.values()))
-        if self.rng.random() < self.cfg.cut_off_share:
+        if self.rng.random() < self.cfg.failover_share:
+            self._mgmtd_failover()
+        elif self.rng.random() < self.cfg.cut_off_share:
             # cut off from mgmtd: it keeps serving peers and clients with old routing until its lease runs out
             node.cut_off_until = self.now + self.rng.uniform(0.1, 0.8)
         elif len(down) < self.cfg.max_down and node.alive:
             node.alive = False
             self.at(self.rng.uniform(0.05, 0.6), lambda: self._restart(node))
         self.at(self.rng.expovariate(1 / self.cfg.crash_every), self._fault)
+
+    def _mgmtd_failover(self) -> None:
+        """A standby takes over: it loads the persisted state and gives every node a fresh grace period."""
+        state = msgspec.msgpack.decode(msgspec.msgpack.encode(self.mgr.state), type=ClusterState)
+        for info in state.nodes.values():
+            info.last_heartbeat = self.now
+        self.mgr = ClusterManager(self.cfg.heartbeat_timeout, self.cfg.lease, state)
 
     def _restart(self, node: _Node) -> None:
         if not node.alive:
