@@ -19,9 +19,10 @@ Rules
    version. A dirty chunk asks the read tail (last serving target) which version is committed. The read tail
    itself serves its committed version, except for pending versions it held when it *became* tail (an
    old tail may have committed and served them), which it commits before serving them.
-8. Client retries carry the same ``(client_id, request_id)``; every member keeps, per chunk, the highest
-   request id applied per client, so a retry at any (new) head attaches to the pending write or is answered
-   from the table. Clients issue one write at a time per chunk, with growing request ids.
+8. Client retries carry the same ``(client_id, request_id)``. Every version carries a table of the highest
+   request id it includes per client, adopted when the version commits (never earlier: a pending write may
+   be dropped), so a retry at any (new) head attaches to the pending write or is answered from the committed
+   table. Clients issue one write at a time per chunk, with growing request ids.
 
 Theory of operation
 -------------------
