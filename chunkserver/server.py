@@ -36,6 +36,7 @@ def serve_chunkserver(
     if not config.mgmtd:
         raise KvfsError("no mgmtd address: set mgmtd = [...] in the config or pass --mgmtd")
     token = config.resolved_token()
+    transport = config.resolved_transport()  # forced rdma without a device fails here, before anything starts
 
     async def main() -> None:
         with contextlib.ExitStack() as stack:
@@ -45,10 +46,10 @@ def serve_chunkserver(
                 )
                 for i, path in enumerate(targets)
             }
-            server = RpcServer(token, limits=CHUNK_LIMITS, name="chunkserver")
+            server = RpcServer(token, limits=CHUNK_LIMITS, name="chunkserver", transport=transport)
             timeouts = config.timeouts
             async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
-                                 call_timeout=timeouts.call) as rpc:
+                                 call_timeout=timeouts.call, transport=transport) as rpc:
                 chunkserver = ChunkServer(
                     node_id, listen, engines, rpc, MgmtdClient(rpc, config.mgmtd),
                     heartbeat_interval=timeouts.heartbeat_interval,

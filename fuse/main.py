@@ -22,11 +22,12 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
     if not config.meta or not config.mgmtd:
         raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses to mount")
     token = config.resolved_token()
+    transport = config.resolved_transport()
 
     async def main() -> None:
         timeouts = config.timeouts
         async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
-                             call_timeout=timeouts.call) as rpc:
+                             call_timeout=timeouts.call, transport=transport) as rpc:
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
             await run_mount(meta, storage, mountpoint, **options)

@@ -10,6 +10,7 @@ Example::
     kv_url = "sqlite:///var/lib/kvfs/meta.db"     # or "fdb:///etc/foundationdb/fdb.cluster"
     mgmtd = ["10.0.0.1:7100", "10.0.0.2:7100"]
     meta = ["10.0.0.1:7200", "10.0.0.2:7200"]
+    transport = "auto"                             # bulk data: "auto" | "tcp" | "rdma"; also $KVFS_TRANSPORT
 
     [timeouts]
     heartbeat_interval = 1.0
@@ -24,7 +25,7 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import tomli_w
@@ -58,6 +59,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_url: str = "sqlite:///var/lib/kvfs/meta.db"
     mgmtd: list[str] = []
     meta: list[str] = []
+    #: How bulk data moves: ``auto`` (RDMA where both ends can, else TCP), ``tcp``, or ``rdma`` (required:
+    #: start-up fails without a device). ``$KVFS_TRANSPORT`` overrides it.
+    transport: Literal["auto", "tcp", "rdma"] = "auto"
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     chunkserver: ChunkServerSection = msgspec.field(default_factory=ChunkServerSection)
     meta_service: MetaSection = msgspec.field(default_factory=MetaSection, name="meta-service")
@@ -73,6 +77,17 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not token:
             raise KvfsError("no cluster token: set KVFS_TOKEN, or token/token_file in the config file")
         return token
+
+    def resolved_transport(self) -> str:
+        """The transport mode: ``KVFS_TRANSPORT``, then ``transport``. Checked here, at start-up: a bad spelling,
+        or ``rdma`` on a host that cannot do RDMA, is a KvfsError saying why."""
+        from kvfs.transport import link
+
+        env = os.environ.get(link.ENV_TRANSPORT)
+        mode = link.resolve_mode(env, source=link.ENV_TRANSPORT) if env else link.resolve_mode(self.transport)
+        if mode.value == "rdma":
+            link.require_available(mode, link.default_factory().detect())
+        return mode.value
 
 
 def load_config(path: str | os.PathLike[str] | None) -> ClusterConfig:

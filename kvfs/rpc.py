@@ -8,6 +8,12 @@ from the kernel into their destination.
 
 Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
 connection with a logged reason; every other connection keeps being served.
+
+Bulk data may move by RDMA instead (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): after the
+TCP connect a client whose host has RDMA offers a queue pair (``RDMA_CONNECT``); when the server accepts, calls
+with large data sections carry a descriptor of a registered slab in place of the bytes and the server
+RDMA-READs/WRITEs it (:mod:`kvfs.transport.link`). Control messages always stay on TCP, any set-up failure
+leaves that connection on TCP, and a connection without RDMA sends exactly the bytes it always did.
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ from kvfs.errors import (
     ServiceUnavailable,
     from_wire,
 )
+from kvfs.transport import link as rdma
+from kvfs.transport.buffers import Slab
+from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable
+from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
+from kvfs.transport.select import TransportMode
 from kvfs.wire import FrameType, Limits, Method, Signer
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,9 @@ Handler: TypeAlias = Callable[[Any, memoryview | None, "CallContext"], Awaitable
 
 RPC_CALLS = prometheus_client.Counter("kvfs_rpc_calls", "RPC calls served", ["method", "errno"])
 RPC_SECONDS = prometheus_client.Histogram("kvfs_rpc_seconds", "Time spent in RPC handlers", ["method"])
+RDMA_FALLBACKS = prometheus_client.Counter(
+    "kvfs_rdma_fallbacks", "Connections that left (or never reached) RDMA for bulk data", ["stage"]
+)
 
 _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
@@ -210,6 +224,12 @@ class _Pending:
     response: Any = None
     data: memoryview | None = None
     error: BaseException | None = None
+    dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
+    offered: int = 0  # RDMA: how many bytes of it were offered
+
+
+class _RdmaNotMoved(KvfsError):
+    """The server could not move a request's data by RDMA and did not run the handler: resend over TCP."""
 
 
 class Connection:
@@ -225,6 +245,15 @@ class Connection:
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
         self._cancel = trio.CancelScope()
+        #: The RDMA link when the handshake succeeded (None: bulk data goes over TCP).
+        self.rdma: rdma.RdmaLink | None = None
+        self.forced_rdma = False
+        self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
+
+    @property
+    def transport(self) -> str:
+        """``"rdma"`` while bulk data to this server moves by RDMA, else ``"tcp"``."""
+        return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
 
     @property
     def closed(self) -> bool:
@@ -255,7 +284,17 @@ class Connection:
         finally:
             self._fail_pending(ConnectionLost(f"connection to {self.address} closed"))
             self._writer.close()
+            self._close_rdma()
             self._sock.close()
+
+    def _close_rdma(self) -> None:
+        """Destroy the queue pair first: only then can no server operation touch the held slabs any more."""
+        if self.rdma is not None:
+            self.rdma.close()
+        held, self._held = self._held, {}
+        for slabs in held.values():
+            for slab in slabs:
+                slab.release()
 
     async def _run_reader(self) -> None:
         try:
@@ -298,10 +337,14 @@ class Connection:
                 err = wire.decode_error(body)
                 raise AuthError(f"{self.address} refused us: {err.message}")
             if pending is None:  # the caller gave up (deadline); drop the late answer
+                if self._held:
+                    self._release_held(header.request_id)
                 await reader.discard(header.data_len)
                 continue
             try:
-                if header.type is FrameType.ERROR:
+                if header.flags & wire.Flags.RDMA:
+                    self._rdma_answer(header, body, pending)
+                elif header.type is FrameType.ERROR:
                     err = wire.decode_error(body)
                     pending.error = from_wire(err.errno, err.message)
                 elif header.type is FrameType.RESPONSE:
@@ -320,7 +363,32 @@ class Connection:
                     target = target[: header.data_len]
                 await reader.read_into(target)
                 pending.data = target
+            if self._held:
+                self._release_held(header.request_id)
             pending.done.set()
+
+    def _rdma_answer(self, header: wire.Header, body: memoryview | bytes, pending: _Pending) -> None:
+        """A flagged answer: an RDMA-ERROR (handler not run), or a response whose data the server RDMA-WROTE."""
+        if header.type is FrameType.ERROR:
+            err = wire.decode_error(body)
+            pending.error = _RdmaNotMoved(err.message, err.errno)
+            return
+        if header.type is not FrameType.RESPONSE:
+            raise ProtocolError(f"server sent a {header.type.name} frame")
+        if pending.dst is None or pending.into is None:
+            raise ProtocolError("RDMA response to a request that offered no RDMA destination")
+        if header.data_len:
+            raise ProtocolError("RDMA response also carries a TCP data section")
+        body, written = rdma.split_response(body, pending.offered)
+        pending.response = wire.decode_body(pending.method.response, body)
+        if written:
+            target = pending.into[:written]
+            target[:] = pending.dst.view[:written]  # the WRITE completed before the server sent this frame
+            pending.data = target
+
+    def _release_held(self, request_id: int) -> None:
+        for slab in self._held.pop(request_id, ()):
+            slab.release()
 
     async def call(
         self,
@@ -338,6 +406,14 @@ class Connection:
         buffers, data_len = _data_buffers(data)
         if data_len > self._limits.max_data:
             raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
+        link = self.rdma
+        if link is not None and link.ready:
+            plan = link.plan(data_len, None if into is None else len(into))
+            if plan.rdma:
+                answer = await self._call_rdma(link, plan, method, body, buffers, data_len, into)
+                if answer is not None:
+                    return answer
+                # no slab free, or the server could not move the data: this call goes over TCP
         frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len)
         pending = _Pending(method, into)
         self._pending[request_id] = pending
@@ -350,6 +426,78 @@ class Connection:
             raise pending.error
         return pending.response, pending.data
 
+    async def _call_rdma(
+        self,
+        link: rdma.RdmaLink,
+        plan: rdma.CallPlan,
+        method: Method,
+        body: bytes,
+        buffers: list[Buffer],
+        data_len: int,
+        into: memoryview | None,
+    ) -> tuple[Any, memoryview | None] | None:
+        """One call whose data sections move by RDMA; None when it must be sent over TCP instead."""
+        held: list[Slab] = []
+        src = dst = None
+        dst_slab = None
+        try:
+            if plan.send:
+                slab, src = link.stage(buffers, data_len)
+                held.append(slab)
+        except BufferExhausted:
+            pass
+        try:
+            if plan.receive:
+                assert into is not None
+                dst_slab, dst = link.reserve(len(into))
+                held.append(dst_slab)
+        except BufferExhausted:
+            pass
+        if src is None and dst is None:
+            return None
+        tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
+        request_id = next(self._ids)
+        body += rdma.encode_request_trailer(src, dst)
+        frame = wire.encode_frame(
+            self._signer, FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA
+        )
+        pending = _Pending(method, into, dst=dst_slab, offered=0 if dst is None else dst.length)
+        self._pending[request_id] = pending
+        self._held[request_id] = held
+        sent = False
+        try:
+            await self._writer.put([frame, *tcp_buffers])
+            sent = True
+            await pending.done.wait()
+        finally:
+            self._pending.pop(request_id, None)
+            if not sent:  # the server never saw the descriptors
+                self._release_held(request_id)
+            # else: released when the answer arrives (late or not) or the connection closes
+        error = pending.error
+        if error is None:
+            return pending.response, pending.data
+        if not isinstance(error, _RdmaNotMoved):
+            raise error
+        if error.errno not in rdma.TRANSIENT_ERRNOS:
+            self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
+        return None
+
+    def attach_rdma(self, link: rdma.RdmaLink, *, forced: bool = False) -> None:
+        self.rdma = link
+        self.forced_rdma = forced
+
+    def _rdma_failed(self, link: rdma.RdmaLink, reason: str) -> None:
+        """Leave RDMA for this connection (auto), or close it and fail the call (forced ``rdma``)."""
+        link.fail(reason)
+        if self.rdma is link:
+            self.rdma = None
+        RDMA_FALLBACKS.labels("transfer").inc()
+        if self.forced_rdma:
+            self.close()
+            raise RdmaError(f"transport 'rdma' is forced and RDMA to {self.address} failed: {reason}")
+        log.warning("bulk data to %s over TCP from now on: %s", self.address, reason)
+
 
 class RpcClient:
     """Connections to any number of servers, one multiplexed connection per address, in one nursery.
@@ -357,6 +505,10 @@ class RpcClient:
     Use as ``async with RpcClient(token) as client:``; every connection's tasks live and die inside it.
     Calls to methods marked idempotent are retried (with backoff, on a fresh connection) when the
     connection breaks or the deadline passes; others fail with the error so the caller can decide.
+
+    ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether bulk data
+    may move by RDMA; ``rdma`` on a host without a usable device raises RdmaUnavailable here, with the reason.
+    ``rdma_factory`` makes the RDMA endpoints (the real verbs one by default; tests inject fakes).
     """
 
     def __init__(
@@ -367,7 +519,13 @@ class RpcClient:
         connect_timeout: float = 5.0,
         call_timeout: float = 30.0,
         retries: int = 3,
+        transport: TransportMode | str | None = None,
+        rdma_factory: rdma.EndpointFactory | None = None,
     ) -> None:
+        self.transport = rdma.resolve_mode(transport)
+        self._rdma_factory = rdma_factory
+        if self.transport is TransportMode.RDMA:
+            rdma.require_available(self.transport, self._factory().detect())
         self._signer = Signer(token)
         self._limits = limits
         self._connect_timeout = connect_timeout
@@ -417,8 +575,61 @@ class RpcClient:
                     raise ServiceUnavailable(f"cannot connect to {address}: {exc.strerror or exc}") from None
                 conn = Connection(sock, address, self._signer, self._limits)
                 await self._nursery.start(conn.run)
+                if self.transport is not TransportMode.TCP:
+                    try:
+                        await self._negotiate_rdma(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
                 self._connections[address] = conn
         return conn
+
+    def _factory(self) -> rdma.EndpointFactory:
+        if self._rdma_factory is None:
+            self._rdma_factory = rdma.default_factory()
+        return self._rdma_factory
+
+    async def _negotiate_rdma(self, conn: Connection) -> None:
+        """Offer the server a queue pair; any failure leaves this connection's bulk data on TCP (logged)."""
+        factory = self._factory()
+        local = factory.detect()
+        if not local.available:
+            return  # nothing to offer (forced ``rdma`` failed in the constructor); the factory logged why once
+        forced = self.transport is TransportMode.RDMA
+        try:
+            endpoint = factory.new_endpoint()
+        except Exception as exc:
+            return self._stay_on_tcp(conn, f"local RDMA set-up failed: {_reason(exc)}", forced)
+        try:
+            try:
+                answer = await conn.call(RDMA_CONNECT, endpoint.offer())
+            except (ConnectionLost, ServiceUnavailable, AuthError):
+                raise
+            except KvfsError as exc:  # e.g. ENOSYS from a server that predates RDMA
+                raise _SetupFailed(f"RDMA handshake failed: {exc.message}") from None
+            if not answer.accepted:
+                raise _SetupFailed(f"the server refused RDMA: {answer.reason}")
+            assert answer.endpoint is not None
+            try:
+                endpoint.connect(answer.endpoint)
+            except Exception as exc:
+                raise _SetupFailed(f"connecting the queue pair failed: {_reason(exc)}") from None
+        except _SetupFailed as exc:
+            _close_quietly(endpoint)
+            return self._stay_on_tcp(conn, exc.message, forced)
+        except BaseException:
+            _close_quietly(endpoint)
+            raise
+        conn.attach_rdma(rdma.RdmaLink(endpoint, conn.address, min_bytes=factory.min_bytes), forced=forced)
+        log.info("bulk data to %s by RDMA", conn.address)
+
+    @staticmethod
+    def _stay_on_tcp(conn: Connection, reason: str, forced: bool) -> None:
+        RDMA_FALLBACKS.labels("setup").inc()
+        if forced:
+            raise RdmaUnavailable(f"transport 'rdma' is forced but {conn.address} cannot use it: {reason}",
+                                  errno.EOPNOTSUPP)
+        log.warning("bulk data to %s over TCP: %s", conn.address, reason)
 
     async def call(
         self,
@@ -460,6 +671,21 @@ class RpcClient:
         raise error
 
 
+class _SetupFailed(KvfsError):
+    pass
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, KvfsError) else f"{type(exc).__name__}: {exc}"
+
+
+def _close_quietly(endpoint: rdma.Endpoint) -> None:
+    try:
+        endpoint.close()
+    except Exception as exc:
+        log.warning("closing an RDMA endpoint: %s", exc)
+
+
 # --------------------------------------------------------------------------------------------- server
 
 
@@ -469,10 +695,46 @@ class CallContext:
 
     peer: str
     method: Method
+    connection: PeerConnection | None = field(default=None, repr=False, compare=False)
+
+
+class PeerConnection:
+    """A server's per-connection state: the peer and, after an accepted handshake, its RDMA link."""
+
+    __slots__ = ("peer", "rdma")
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.rdma: rdma.RdmaLink | None = None
+
+    @property
+    def transport(self) -> str:
+        return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
+
+    def install(self, link: rdma.RdmaLink) -> None:
+        if self.rdma is not None:
+            self.rdma.close()
+        self.rdma = link
+
+    async def pull(self, src: Any) -> memoryview:
+        link = self.rdma
+        if link is None or not link.ready:
+            reason = "no RDMA link on this connection" if link is None else f"RDMA link is down: {link.broken}"
+            raise KvfsError(reason, errno.ENOTCONN)
+        return await link.pull(src)
+
+    def close(self) -> None:
+        if self.rdma is not None:
+            self.rdma.close()
 
 
 class RpcServer:
-    """Serves registered handlers on one TCP port; every connection runs in the server's nursery."""
+    """Serves registered handlers on one TCP port; every connection runs in the server's nursery.
+
+    ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether this server
+    accepts clients' RDMA offers; ``rdma`` on a host without a usable device raises RdmaUnavailable here. The
+    ``RDMA_CONNECT`` handler is built in (unless one is registered) and refuses when this side cannot do RDMA.
+    """
 
     def __init__(
         self,
@@ -481,7 +743,13 @@ class RpcServer:
         limits: Limits = Limits(),
         max_in_flight: int = 1024,
         name: str = "rpc",
+        transport: TransportMode | str | None = None,
+        rdma_factory: rdma.EndpointFactory | None = None,
     ) -> None:
+        self.transport = rdma.resolve_mode(transport)
+        self._rdma_factory = rdma_factory
+        if self.transport is TransportMode.RDMA:
+            rdma.require_available(self.transport, self._factory().detect())
         self._signer = Signer(token)
         self._limits = limits
         self._max_in_flight = max_in_flight
@@ -489,6 +757,40 @@ class RpcServer:
         self.log = logging.getLogger(f"kvfs.{name}")
         self.port: int | None = None
         self.connections_refused = 0
+        self.peers: set[PeerConnection] = set()
+
+    def _factory(self) -> rdma.EndpointFactory:
+        if self._rdma_factory is None:
+            self._rdma_factory = rdma.default_factory()
+        return self._rdma_factory
+
+    async def _rdma_connect(self, offer: RdmaOffer, data: memoryview | None, ctx: CallContext) -> RdmaAccept:
+        """The built-in handshake: create and connect a queue pair for this connection, or refuse with why."""
+        if self.transport is TransportMode.TCP:
+            return RdmaAccept.refuse("this server's transport is 'tcp'")
+        factory = self._factory()
+        local = factory.detect()
+        if not local.available:
+            return RdmaAccept.refuse(f"this server cannot use RDMA: {local.reason}")
+        try:
+            endpoint = factory.new_endpoint()
+        except Exception as exc:
+            return self._refuse_rdma(ctx, f"RDMA set-up failed on the server: {_reason(exc)}")
+        try:
+            endpoint.connect(offer)
+            answer = endpoint.offer()
+        except Exception as exc:
+            _close_quietly(endpoint)
+            return self._refuse_rdma(ctx, f"connecting the server's queue pair failed: {_reason(exc)}")
+        assert ctx.connection is not None
+        ctx.connection.install(rdma.RdmaLink(endpoint, ctx.peer, min_bytes=factory.min_bytes))
+        self.log.info("bulk data with %s by RDMA", ctx.peer)
+        return RdmaAccept(True, answer)
+
+    def _refuse_rdma(self, ctx: CallContext, reason: str) -> RdmaAccept:
+        RDMA_FALLBACKS.labels("setup").inc()
+        self.log.warning("bulk data with %s over TCP: %s", ctx.peer, reason)
+        return RdmaAccept.refuse(reason)
 
     def register(self, method: Method, handler: Handler) -> None:
         if method.id in self._handlers:
@@ -499,6 +801,8 @@ class RpcServer:
         self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen and serve until cancelled; ``nursery.start`` returns the bound port."""
+        if RDMA_CONNECT.id not in self._handlers:
+            self._handlers[RDMA_CONNECT.id] = (RDMA_CONNECT, self._rdma_connect)
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
@@ -526,11 +830,13 @@ class RpcServer:
             return
         writer = _Writer(sock)
         limiter = trio.CapacityLimiter(self._max_in_flight)
+        conn = PeerConnection(peer)
+        self.peers.add(conn)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._run_writer, writer, peer, nursery.cancel_scope)
                 try:
-                    await self._read_requests(sock, peer, writer, limiter, nursery)
+                    await self._read_requests(sock, peer, writer, limiter, nursery, conn)
                 except _EndOfStream:
                     pass
                 except AuthError as exc:
@@ -545,6 +851,8 @@ class RpcServer:
                     self.log.exception("closing connection from %s after an internal error", peer)
                 nursery.cancel_scope.cancel()
         finally:
+            self.peers.discard(conn)
+            conn.close()
             writer.close()
             sock.close()
 
@@ -571,6 +879,7 @@ class RpcServer:
         writer: _Writer,
         limiter: trio.CapacityLimiter,
         nursery: trio.Nursery,
+        conn: PeerConnection,
     ) -> None:
         reader = FrameReader(sock)
         while True:
@@ -580,6 +889,12 @@ class RpcServer:
             wire.check_tag(self._signer, raw, header, body)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
+            buffers = None
+            if header.flags & wire.Flags.RDMA:  # data by RDMA: descriptors of the client's slabs end the body
+                body, src, dst = rdma.split_request(body, self._limits.max_data)
+                if src is not None and header.data_len:
+                    raise ProtocolError("request has both an RDMA source and a TCP data section")
+                buffers = (src, dst)
             entry = self._handlers.get(header.method)
             request: Any = None
             failure: KvfsError | None = None
@@ -595,7 +910,9 @@ class RpcServer:
                 data = memoryview(bytearray(header.data_len))
                 await reader.read_into(data)
             await limiter.acquire_on_behalf_of(header.request_id)
-            nursery.start_soon(self._dispatch, writer, peer, header.request_id, entry, request, data, failure, limiter)
+            nursery.start_soon(
+                self._dispatch, writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers
+            )
 
     async def _dispatch(
         self,
@@ -607,16 +924,33 @@ class RpcServer:
         data: memoryview | None,
         failure: KvfsError | None,
         limiter: trio.CapacityLimiter,
+        conn: PeerConnection | None = None,
+        buffers: tuple[Any, Any] | None = None,
     ) -> None:
         try:
             frames: list[Buffer]
+            if buffers is not None and buffers[0] is not None and failure is None:
+                assert conn is not None
+                try:
+                    data = await conn.pull(buffers[0])
+                except KvfsError as exc:  # the handler does not run; the client resends over TCP
+                    self.log.info("RDMA-READ from %s failed: %s", peer, exc.message)
+                    body = wire.encode_body(wire.ErrorBody(exc.errno or errno.EIO, exc.message))
+                    frame = wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body, 0, wire.Flags.RDMA)
+                    with contextlib.suppress(ConnectionLost):
+                        await writer.put([frame])
+                    return
             if failure is None:
                 assert entry is not None
                 method, handler = entry
                 started = trio.current_time()
                 try:
-                    result = await handler(request, data, CallContext(peer, method))
-                    frames = self._response(request_id, method, result)
+                    result = await handler(request, data, CallContext(peer, method, conn))
+                    if buffers is not None and buffers[1] is not None:
+                        assert conn is not None
+                        frames = await self._rdma_response(conn, request_id, method, result, buffers[1])
+                    else:
+                        frames = self._response(request_id, method, result)
                 except KvfsError as exc:
                     failure = exc
                 except Exception as exc:
@@ -643,10 +977,24 @@ class RpcServer:
         body = wire.encode_body(message)
         return [wire.encode_frame(self._signer, FrameType.RESPONSE, request_id, method.id, body, data_len), *buffers]
 
+    async def _rdma_response(
+        self, conn: PeerConnection, request_id: int, method: Method, result: HandlerResult, dst: Any
+    ) -> list[Buffer]:
+        """RDMA-WRITE the data section into the client's ``dst`` (then answer), or fall back to the TCP response."""
+        if not isinstance(result, tuple) or conn.rdma is None:
+            return self._response(request_id, method, result)
+        message, data = result
+        buffers, data_len = _data_buffers(data)
+        if not await conn.rdma.push(buffers, data_len, dst):
+            return self._response(request_id, method, result)
+        body = wire.encode_body(message) + rdma.encode_response_trailer(data_len)
+        return [wire.encode_frame(self._signer, FrameType.RESPONSE, request_id, method.id, body, 0, wire.Flags.RDMA)]
+
 
 __all__ = [
     "CallContext",
     "Connection",
+    "PeerConnection",
     "FrameReader",
     "Handler",
     "RpcClient",

@@ -46,6 +46,9 @@ class Flags(enum.IntFlag):
     #: An ERROR frame telling the peer its own frame failed authentication. It cannot be signed with a
     #: token the peer does not have, so it is the one frame accepted without a valid tag.
     AUTH_REFUSED = 1
+    #: The body ends with an RDMA descriptor trailer and the data section moved (or is to move) by RDMA instead
+    #: of following the body; see :mod:`kvfs.transport.link`. Never set on a TCP-only connection.
+    RDMA = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +129,7 @@ def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
         ftype = FrameType(ftype)
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
-    if flags & ~int(Flags.AUTH_REFUSED):
+    if flags & ~int(Flags.AUTH_REFUSED | Flags.RDMA):
         raise ProtocolError(f"unknown flags {flags:#x}")
     if body_len > limits.max_body:
         raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")

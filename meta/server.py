@@ -21,8 +21,9 @@ def serve_meta(
 ) -> None:
     setup_logging(log_level)
     token = config.resolved_token()
+    transport = config.resolved_transport()
     db = open_database(kv_url or config.kv_url)
-    server = RpcServer(token, name="meta")
+    server = RpcServer(token, name="meta", transport=transport)
 
     async def main() -> None:
         async with contextlib.AsyncExitStack() as stack:
@@ -31,7 +32,8 @@ def serve_meta(
                 from chunkserver.client import StorageClient, SyncChunkRemover
                 from craq.mgmtd import MgmtdClient
 
-                rpc = await stack.enter_async_context(RpcClient(token, connect_timeout=config.timeouts.connect))
+                client = RpcClient(token, connect_timeout=config.timeouts.connect, transport=transport)
+                rpc = await stack.enter_async_context(client)
                 remover = SyncChunkRemover(StorageClient(rpc, MgmtdClient(rpc, config.mgmtd)))
             store = MetaStore(db, chunk_remover=remover, root_layout=Layout(stripe=DEFAULT_STRIPE))
             store.format()
