@@ -136,7 +136,9 @@ class PersistPending:
     """``engine.write_pending(...)`` in the background, then report :class:`Persisted`.
 
     ``crc`` covers ``data`` (the whole chunk when ``full_replace``); ``requests`` is the idempotency table to
-    store with this version (see :class:`ChunkMeta`).
+    store with this version (see :class:`ChunkMeta`). ``force``: a full replace whose version is not newer
+    than the committed one (a syncing target overwriting what it held before); it only happens at the end
+    of the write chain, where ``Commit`` follows at once, so ``engine.replace_full`` may serve it.
     """
 
     chunk_id: ChunkId
@@ -146,6 +148,7 @@ class PersistPending:
     crc: int
     full_replace: bool
     requests: dict[int, int]
+    force: bool = False
 
 
 @dataclass(frozen=True)
@@ -443,7 +446,9 @@ class ChainMember:
         if u.client_id:
             requests[u.client_id] = max(requests.get(u.client_id, -1), u.request_id)
         c.pending = _Pending(u, requests)
-        return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests))]
+        force = u.full_replace and u.version <= c.committed
+        return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests),
+                               force)]
 
     def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
         if e.version != c.pending.update.version:

@@ -55,6 +55,8 @@ class MemEngine:
     pending: dict[ChunkId, _Version] = field(default_factory=dict)
 
     def write_pending(self, p: PersistPending) -> tuple[int, int]:
+        committed = self.committed.get(p.chunk_id, _Version(0, b"", {})).version
+        assert p.force or p.version > committed, f"{p} is not newer than committed {committed}"
         base = b"" if p.full_replace else self.committed.get(p.chunk_id, _Version(0, b"", {})).data
         data = base[: p.offset].ljust(p.offset, b"\0") + p.data + base[p.offset + len(p.data):]
         self.pending[p.chunk_id] = _Version(p.version, data, p.requests)
