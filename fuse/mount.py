@@ -53,6 +53,12 @@ def _mount_dev(mountpoint: str) -> str | None:
     return found
 
 
+def is_mounted(mountpoint: str) -> bool:
+    """Whether something is mounted at ``mountpoint``, without touching it: a dead FUSE mount (its daemon
+    killed) fails every stat with ENOTCONN, which makes ``os.path.ismount`` say False."""
+    return _mount_dev(mountpoint) is not None
+
+
 def set_read_ahead(mountpoint: str, kib: int) -> bool:
     """Raise the mount's readahead (``/sys/class/bdi/<dev>/read_ahead_kb``); False if not possible.
     ``mountpoint`` must be an absolute, resolved path (nothing here touches the mounted filesystem)."""

@@ -164,17 +164,19 @@ class LocalCluster:
         self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True
     ) -> LocalLayout:
         """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient)."""
+        from fuse.mount import force_unmount, is_mounted
+
         config, layout = self._init(mount, chunkservers, replicas)
+        daemon_alive = self.pid_of("mount") is not None
+        if is_mounted(layout.mount) and not daemon_alive:
+            force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails
         Path(layout.mount).mkdir(parents=True, exist_ok=True)
         for proc in self.processes(layout):
             if proc.role == "mount":
                 self._ensure_chains(config, layout, echo)
-                if not mounted or self.pid_of(proc.name) is not None and os.path.ismount(layout.mount):
+                if not mounted or daemon_alive and is_mounted(layout.mount):
                     continue
-                from fuse.mount import force_unmount
-
-                force_unmount(layout.mount)  # a crashed daemon's dead mount point
-                self._wait(proc, lambda: os.path.ismount(layout.mount), self._start(proc))
+                self._wait(proc, lambda: is_mounted(layout.mount), self._start(proc))
                 echo(f"mounted kvfs at {layout.mount}")
                 continue
             child = None
@@ -220,13 +222,13 @@ class LocalCluster:
     def down(self, echo: Any = print) -> None:
         """Unmount first (so no writer is cut off mid-flush), then stop every service at once."""
         config, layout = self._load()
-        from fuse.mount import force_unmount
+        from fuse.mount import force_unmount, is_mounted
 
         mount, *services = reversed(self.processes(layout))
-        if os.path.ismount(layout.mount):
+        if is_mounted(layout.mount):
             subprocess.run(["fusermount3", "-u", layout.mount], capture_output=True)
         self._stop([mount], echo)
-        if os.path.ismount(layout.mount):
+        if is_mounted(layout.mount):
             force_unmount(layout.mount)
         self._stop(services, echo)
 
@@ -253,11 +255,13 @@ class LocalCluster:
     # ----------------------------------------------------------------------------------- status
 
     def status(self) -> dict[str, Any]:
+        from fuse.mount import is_mounted
+
         config, layout = self._load()
         processes = []
         for proc in self.processes(layout):
             pid = self.pid_of(proc.name)
-            alive = pid is not None and (os.path.ismount(proc.address) if proc.role == "mount" else _listening(proc.address))
+            alive = pid is not None and (is_mounted(proc.address) if proc.role == "mount" else _listening(proc.address))
             processes.append({"name": proc.name, "role": proc.role, "pid": pid, "address": proc.address, "alive": alive})
         report: dict[str, Any] = {"data": str(self.data), "processes": processes, "targets": [], "chains": []}
         try:

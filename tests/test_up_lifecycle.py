@@ -178,8 +178,6 @@ def started_names(stdout: str) -> set[str]:
     return {line.split()[1] for line in stdout.splitlines() if line.startswith("started ")}
 
 
-@pytest.mark.xfail(strict=True, reason="kvfs/localcluster.py LocalCluster.up: Path(layout.mount).mkdir(exist_ok=True) "
-                   "stats the dead mount a SIGKILLed daemon leaves and crashes with ENOTCONN before restarting it")
 def test_up_restarts_a_killed_chunk_server_and_mount_daemon_and_keeps_data():
     with started("kvfs-up-kill-") as c:
         root = c.mount / "restart"
@@ -242,8 +240,6 @@ def test_down_unmounts_and_stops_everything_and_up_brings_the_data_back():
         assert not is_mounted(c.mount) and c.our_processes() == []
 
 
-@pytest.mark.xfail(strict=True, reason="kvfs/localcluster.py LocalCluster.down: os.path.ismount() is False for the dead "
-                   "mount a SIGKILLed daemon leaves (stat fails with ENOTCONN), so down never unmounts it")
 def test_down_clears_the_dead_mount_of_a_killed_daemon():
     with started("kvfs-down-dead-") as c:
         c.kill("mount")
