@@ -594,7 +594,8 @@ class RpcClient:
         factory = self._factory()
         local = factory.detect()
         if not local.available:
-            return  # nothing to offer (forced ``rdma`` failed in the constructor); the factory logged why once
+            rdma.note_tcp_only(local)  # nothing to offer (forced ``rdma`` already failed in the constructor)
+            return
         forced = self.transport is TransportMode.RDMA
         try:
             endpoint = factory.new_endpoint()
@@ -602,7 +603,7 @@ class RpcClient:
             return self._stay_on_tcp(conn, f"local RDMA set-up failed: {_reason(exc)}", forced)
         try:
             try:
-                answer = await conn.call(RDMA_CONNECT, endpoint.offer())
+                answer, _ = await conn.call(RDMA_CONNECT, endpoint.offer())
             except (ConnectionLost, ServiceUnavailable, AuthError):
                 raise
             except KvfsError as exc:  # e.g. ENOSYS from a server that predates RDMA
@@ -803,6 +804,8 @@ class RpcServer:
         """Listen and serve until cancelled; ``nursery.start`` returns the bound port."""
         if RDMA_CONNECT.id not in self._handlers:
             self._handlers[RDMA_CONNECT.id] = (RDMA_CONNECT, self._rdma_connect)
+        if self.transport is TransportMode.AUTO:
+            rdma.note_tcp_only(self._factory().detect())
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:

@@ -59,6 +59,16 @@ def resolve_mode(value: TransportMode | str | None, *, source: str = "transport"
         raise KvfsError(f"{source}: {exc}", errno.EINVAL) from None
 
 
+_told: set[str] = set()
+
+
+def note_tcp_only(local: RdmaAvailability) -> None:
+    """Log once per process (and reason) that ``auto`` keeps bulk data on TCP because this host lacks RDMA."""
+    if not local.available and local.reason not in _told:
+        _told.add(local.reason)
+        log.info("bulk data over TCP: this host cannot use RDMA: %s", local.reason)
+
+
 def require_available(mode: TransportMode, local: RdmaAvailability) -> None:
     """Forced ``rdma`` on a host that cannot do it is a start-up error carrying the detection reason."""
     if mode is TransportMode.RDMA and not local.available:
@@ -233,8 +243,6 @@ class VerbsFactory:
         with self._lock:
             if self._detected is None:
                 self._detected = self._detect()
-                if not self._detected.available:
-                    log.info("bulk data over TCP: this host cannot use RDMA: %s", self._detected.reason)
             return self._detected
 
     def new_endpoint(self) -> Endpoint:
