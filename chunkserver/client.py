@@ -12,12 +12,13 @@ once. One write per chunk is in flight at a time from one client (the CRAQ head 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
 import random
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
@@ -38,6 +39,21 @@ log = logging.getLogger("kvfs.storage")
 #: Failures after which the same operation may succeed elsewhere or a little later.
 _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
+
+
+@contextlib.asynccontextmanager
+async def _one_error() -> AsyncIterator[None]:
+    """Parallel pieces of one call fail as the call: raise the first kvfs error, not trio's exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        matched, _ = group.split(KvfsError)
+        if matched is None:
+            raise
+        first: BaseException = matched
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from group
 
 
 def split_range(offset: int, length: int, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -139,7 +155,7 @@ class StorageClient:
             index, within, at = pieces[0]
             await self._write_chunk(ino, layout, index, within, view)
             return
-        async with trio.open_nursery() as nursery:
+        async with _one_error(), trio.open_nursery() as nursery:
             for index, within, at in pieces:
                 piece = view[at : at + layout.chunk_size - within]
                 nursery.start_soon(self._bounded, self._write_chunk, ino, layout, index, within, piece)
@@ -179,7 +195,7 @@ class StorageClient:
             index, within, at = pieces[0]
             await self._read_chunk(ino, layout, index, within, into)
             return len(into)
-        async with trio.open_nursery() as nursery:
+        async with _one_error(), trio.open_nursery() as nursery:
             for index, within, at in pieces:
                 piece = into[at : at + layout.chunk_size - within]
                 nursery.start_soon(self._bounded, self._read_chunk, ino, layout, index, within, piece)
@@ -215,7 +231,7 @@ class StorageClient:
         async def one(address: str) -> None:
             results.append(await self.rpc.call(address, method, request, timeout=self._call_timeout))
 
-        async with trio.open_nursery() as nursery:
+        async with _one_error(), trio.open_nursery() as nursery:
             for address in sorted(set(routing.addresses.values())):
                 nursery.start_soon(one, address)
         return results

@@ -391,10 +391,13 @@ class ChunkEngine:
         full_replace: bool = False,
         chunk_size: int,
         aux: bytes = b"",
+        force: bool = False,
     ) -> ChunkMeta:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
 
         ``aux`` is stored with the version, atomically with it, for the replication layer (see :meth:`versions`).
+        ``force`` stages a full replace even if ``version`` is not newer (a resyncing replica overwriting
+        what it held before; the commit that follows makes it the committed version).
 
         Raises ChecksumMismatch (nothing touched) if ``crc32c(data) != crc``, EINVAL past
         ``chunk_size``, ENOSPC when full, StaleVersion if ``version`` is not newer than the
@@ -409,7 +412,9 @@ class ChunkEngine:
                 f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
                 errno.EINVAL,
             )
-        return self._stage(chunk_id, version, offset, data, crc, full_replace=full_replace, force=False, aux=aux)
+        if force and not full_replace:
+            raise KvfsError(f"chunk {chunk_id}: only a full replace may be forced", errno.EINVAL)
+        return self._stage(chunk_id, version, offset, data, crc, full_replace=full_replace, force=force, aux=aux)
 
     def _stage(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, crc: int,

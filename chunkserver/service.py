@@ -28,6 +28,7 @@ from chunkserver.engine import ChunkEngine
 from chunkserver.engine import ChunkId as EngineChunkId
 from craq.cluster import Heartbeat, RoutingSnapshot
 from craq.member import (
+    Abort,
     AskTail,
     ChainMember,
     ChunkMeta,
@@ -35,6 +36,7 @@ from craq.member import (
     Configure,
     Effect,
     Persisted,
+    PersistFailed,
     PersistPending,
     ReplyClient,
     ReportToMgmtd,
@@ -235,6 +237,11 @@ class ChunkServer:
                     target_id, effect.chunk_id,
                     lambda e=effect: trio.to_thread.run_sync(engine.commit, _engine_id(e.chunk_id), e.version),
                 )
+            elif isinstance(effect, Abort):
+                self._in_chunk_order(
+                    target_id, effect.chunk_id,
+                    lambda e=effect: trio.to_thread.run_sync(engine.abort, _engine_id(e.chunk_id), e.version),
+                )
             elif isinstance(effect, ReplyClient):
                 waiter = self._waiters.get((effect.msg.client_id, effect.msg.request_id))
                 if waiter is not None:
@@ -267,14 +274,18 @@ class ChunkServer:
 
     async def _persist(self, target_id: int, e: PersistPending) -> None:
         engine = self.engines[target_id]
-        meta = await trio.to_thread.run_sync(
-            lambda: engine.write_pending(
-                _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
-                chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests),
+        try:
+            meta = await trio.to_thread.run_sync(
+                lambda: engine.write_pending(
+                    _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
+                    chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
+                )
             )
-        )
-        if target_id in self.members:
-            self._feed(target_id, Persisted(e.chunk_id, e.version, meta.crc, meta.length))
+        except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version
+            log.warning("target %s cannot store chunk %s v%s: %s", target_id, e.chunk_id, e.version, exc.message)
+            self._feed(target_id, PersistFailed(e.chunk_id, e.version, exc.errno or errno.EIO, exc.message))
+            return
+        self._feed(target_id, Persisted(e.chunk_id, e.version, meta.crc, meta.length))
 
     async def _send_whole_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
         try:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import enum
+from errno import EIO
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Union
@@ -103,13 +104,23 @@ class Persisted:
 
 
 @dataclass(frozen=True)
+class PersistFailed:
+    """The driver's ``write_pending`` failed (disk full, I/O error) and stored nothing."""
+
+    chunk_id: ChunkId
+    version: int
+    errno: int
+    message: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passes: retransmit what has not been acknowledged within ``retransmit_after``."""
 
     now: float
 
 
-Event = Union[Configure, Persisted, Tick, WriteReq, UpdateReq, UpdateAck, SyncQuery, SyncState]
+Event = Union[Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, SyncQuery, SyncState]
 
 # --------------------------------------------------------------------------------------------- effects
 
@@ -160,6 +171,14 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class Abort:
+    """``engine.abort(chunk_id, version)``: drop a pending version that the chain abandoned."""
+
+    chunk_id: ChunkId
+    version: int
+
+
+@dataclass(frozen=True)
 class ReplyClient:
     msg: WriteResp
 
@@ -169,7 +188,7 @@ class ReportToMgmtd:
     msg: SyncDone | ChecksumReport
 
 
-Effect = Union[Send, SendChunk, PersistPending, Commit, ReplyClient, ReportToMgmtd]
+Effect = Union[Send, SendChunk, PersistPending, Commit, Abort, ReplyClient, ReportToMgmtd]
 
 # ------------------------------------------------------------------------------------- read decisions
 
@@ -358,7 +377,7 @@ class ChainMember:
             return self._configure(event)
         if isinstance(event, Tick):
             return self._tick(event.now)
-        if isinstance(event, Persisted):
+        if isinstance(event, (Persisted, PersistFailed)):
             return self._dispatch(self._chunk(event.chunk_id), event)
         if isinstance(event, Msg):
             if event.chain_id != self.chain_id:
@@ -514,12 +533,34 @@ class ChainMember:
             return effects  # an ack of a sync copy, or a late duplicate
         if a.status is AckStatus.VERSION_GAP:
             return effects + [SendChunk(a.from_target, self._full_update(c, p.update.version, p.chunk_crc, sync=False))]
+        if a.status is AckStatus.FAILED:
+            return effects + [Abort(c.cid, p.update.version)] + self._abandon(c, KvfsError(a.message, a.errno))
         if a.status is not AckStatus.OK:
             return effects  # BUSY / CHECKSUM / STALE: the tick retransmits
         if (a.chunk_crc, a.chunk_len) != (p.chunk_crc, p.chunk_len):
             effects.append(ReportToMgmtd(ChecksumReport(
                 self.chain_id, self.chain_version, a.chunk_id, self.target_id, a.from_target, a.version)))
         return effects + self._commit(c)
+
+    def _persist_failed(self, c: _Chunk, e: PersistFailed) -> list[Effect]:
+        """Nothing was stored: no member can have committed this version, so the chain abandons it."""
+        if e.version != c.pending.update.version:
+            raise ProtocolError(f"failed version {e.version}, pending is {c.pending.update.version}")
+        return self._abandon(c, KvfsError(e.message, e.errno))
+
+    def _abandon(self, c: _Chunk, error: KvfsError) -> list[Effect]:
+        """Drop the pending version here; tell the predecessor, or (head) fail the clients and go on."""
+        p = c.pending
+        c.pending = None
+        pred = self._predecessor()
+        if pred is not None:
+            return [Send(pred, UpdateAck(
+                self.chain_id, self.chain_version, c.cid, self.target_id, p.update.version, AckStatus.FAILED,
+                c.committed, c.crc, c.length, errno=error.errno or EIO, message=error.message))]
+        effects = [self._reply(c.cid, key, error) for key in p.waiters]
+        while c.queue and c.pending is None:
+            effects += self._write(c, c.queue.popleft())
+        return effects
 
     # ---------------------------------------------------------------------------------- reconfiguration
 
@@ -687,6 +728,7 @@ _TRANSITIONS: dict[tuple[Phase, type], Callable[[ChainMember, _Chunk, Event], li
     (Phase.PERSISTING, UpdateReq): ChainMember._update,  # retransmit of the pending one, else BUSY
     (Phase.FORWARDED, UpdateReq): ChainMember._update,  # retransmit: forward again
     (Phase.PERSISTING, Persisted): ChainMember._persisted,  # forward, or (end of chain) commit and ack
+    (Phase.PERSISTING, PersistFailed): ChainMember._persist_failed,  # abandon the version along the chain
     (Phase.FORWARDED, UpdateAck): ChainMember._acked,  # commit and ack upstream / answer clients
     (Phase.CLEAN, UpdateAck): ChainMember._acked,  # sync copy confirmed, or a late duplicate
     (Phase.PERSISTING, UpdateAck): ChainMember._acked,  # a late duplicate of the previous version

@@ -114,6 +114,7 @@ class AckStatus(enum.Enum):
     BUSY = "busy"  # another pending version is still being persisted: retransmit later
     CHECKSUM = "checksum"  # data did not match its CRC32C: retransmit
     STALE = "stale"  # chain version differs: wait for the new chain config, then re-drive
+    FAILED = "failed"  # the successor could not store the version (``errno``: ENOSPC, EIO...): abandon it
 
 
 class UpdateAck(Msg, frozen=True, tag=True):
@@ -131,6 +132,8 @@ class UpdateAck(Msg, frozen=True, tag=True):
     chunk_crc: int = 0
     chunk_len: int = 0
     sync: bool = False
+    errno: int = 0
+    message: str = ""
 
 
 class ReadReq(Msg, frozen=True, tag=True):

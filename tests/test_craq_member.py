@@ -11,7 +11,7 @@ from crc32c import crc32c
 from kvfs.errors import ProtocolError
 
 from craq.member import (
-    AskTail, ChainMember, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
+    Abort, AskTail, ChainMember, PersistFailed, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from craq.messages import (
@@ -41,18 +41,25 @@ class Chain:
         self.replies: list = []
         self.mgmtd: list = []
         self.outbox: list[tuple[int, object]] = []  # (target, message) not yet delivered
+        self.full: set[int] = set()  # targets whose disk is full
+        self.aborted: list[tuple[int, Abort]] = []
         for m in self.members.values():
             self.run(m.target_id, m.handle(Configure(cfg, lease_until=100.0)))
 
     def run(self, target: int, effects: list) -> list:
-        """Execute effects; persists complete at once, sends go to the outbox."""
+        """Execute effects; persists complete at once (or fail at targets in ``full``), sends go to the outbox."""
         engine = self.engines[target]
         for e in effects:
-            if isinstance(e, PersistPending):
+            if isinstance(e, PersistPending) and target in self.full:
+                self.run(target, self.members[target].handle(PersistFailed(e.chunk_id, e.version, errno.ENOSPC, "full")))
+            elif isinstance(e, PersistPending):
                 crc, length = engine.write_pending(e)
                 self.run(target, self.members[target].handle(Persisted(e.chunk_id, e.version, crc, length)))
             elif isinstance(e, Commit):
                 engine.commit(e.chunk_id, e.version)
+            elif isinstance(e, Abort):
+                engine.pending.pop(e.chunk_id, None)
+                self.aborted.append((target, e))
             elif isinstance(e, Send):
                 self.outbox.append((e.target, e.msg))
             elif isinstance(e, SendChunk):
@@ -326,3 +333,20 @@ def test_a_dropped_pending_write_is_not_remembered_as_applied():
     member.handle(Configure(config(3, (2, S), (1, O), (3, O)), 100.0))  # ... and ends up the head
     effects = member.handle(write(b"a", request_id=4, version=3))
     assert isinstance(effects[0], PersistPending)  # applied, not answered "ok" from the table
+
+
+def test_a_replica_that_cannot_store_a_write_fails_it_everywhere():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    chain.full = {3}  # the tail's disk is full
+    chain.run(1, chain.members[1].handle(write(b"lost")))
+    chain.deliver_all()
+    (reply,) = chain.replies
+    assert reply.errno == errno.ENOSPC
+    assert sorted(t for t, _ in chain.aborted) == [1, 2]  # the members that had stored it dropped it
+    assert all(m.chunk_versions(CID) == (0, None) for m in chain.members.values())
+    assert all(not e.pending and not e.committed for e in chain.engines.values())
+    chain.full = set()  # space freed: the next write takes the same version and commits everywhere
+    chain.run(1, chain.members[1].handle(write(b"kept", request_id=2)))
+    chain.deliver_all()
+    assert chain.replies[-1].errno == 0 and chain.replies[-1].version == 1
+    assert all(m.chunk_versions(CID) == (1, None) for m in chain.members.values())

@@ -29,9 +29,8 @@ async def wait_all_serving(mgmtd: MgmtdClient, chains: int, timeout: float = 20.
             await trio.sleep(0.1)
 
 
-@pytest.fixture
-async def cluster(processes, tmp_path):
-    c = Cluster(processes, tmp_path, write_config(tmp_path / "kvfs.toml"))
+async def start_cluster(processes, tmp_path, **config) -> Cluster:
+    c = Cluster(processes, tmp_path, write_config(tmp_path / "kvfs.toml", **config))
     c.start_mgmtd()
     for node in (1, 2, 3):
         c.start_chunkserver(node)
@@ -46,6 +45,11 @@ async def cluster(processes, tmp_path):
         await mgmtd.call(CREATE_CHAINS, CreateChains(replicas=3))
         await wait_all_serving(mgmtd, 1)
     return c
+
+
+@pytest.fixture
+async def cluster(processes, tmp_path):
+    return await start_cluster(processes, tmp_path)
 
 
 async def test_write_read_round_trip(cluster):
@@ -161,3 +165,24 @@ async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
         with trio.fail_after(15):  # the meta service's collector removes the chunks everywhere
             while (await storage.last_chunk(ino))[0] != -1:
                 await trio.sleep(0.1)
+
+
+async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path):
+    from kvfs.errors import KvfsError
+
+    import errno
+
+    cluster = await start_cluster(processes, tmp_path, capacity_bytes=8 << 20)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd), retry_for=5)
+        kept = os.urandom(2 << 20)
+        await storage.write(11, LAYOUT, 0, kept)
+        with pytest.raises(KvfsError) as info:
+            for i in range(16):  # fill the 8 MiB targets
+                await storage.write(12, LAYOUT, i << 20, os.urandom(1 << 20))
+        assert info.value.errno == errno.ENOSPC
+        out = bytearray(len(kept))
+        await storage.read(11, LAYOUT, 0, memoryview(out))
+        assert out == kept
+        await storage.remove_file(12, LAYOUT, 16 << 20)  # space comes back: writes work again
+        await storage.write(12, LAYOUT, 0, kept)
