@@ -56,3 +56,52 @@ async def test_failover_to_another_instance(meta_addresses, processes):
         for i in range(20):
             await meta.mkdir(ROOT, 1, f"b{i}".encode(), 0o755)
         assert len((await meta.readdir(ROOT, 1)).entries) == 21
+
+
+async def test_two_meta_processes_race_on_the_same_names(meta_addresses, tmp_path, processes):
+    """Clients of two ``kvfs meta`` instances on one SQLite file create, rename and unlink the same few names."""
+    import random
+
+    from meta.fsck import check
+    from meta.kv import open_database
+
+    names = [f"n{i}".encode() for i in range(4)]
+    counts = {"ok": 0, "refused": 0}
+
+    async def racer(meta: RemoteMeta, seed: int, parent: int) -> None:
+        rng = random.Random(seed)
+        deadline = trio.current_time() + 2.0
+        while trio.current_time() < deadline:
+            op = rng.choice(("create", "mkdir", "rename", "unlink", "link"))
+            a, b = rng.choice(names), rng.choice(names)
+            try:
+                if op == "create":
+                    opened = await meta.create(ROOT, parent, a, 0o644)
+                    await meta.close(ROOT, opened.attr.ino, opened.session)
+                elif op == "mkdir":
+                    await meta.mkdir(ROOT, parent, a, 0o755)
+                elif op == "rename":
+                    await meta.rename(ROOT, parent, a, parent, b)
+                elif op == "unlink":
+                    await meta.unlink(ROOT, parent, a)
+                else:
+                    await meta.link(ROOT, (await meta.lookup(ROOT, parent, a)).ino, parent, b)
+                counts["ok"] += 1
+            except KvfsError as exc:  # the POSIX refusals a race produces; anything else fails the test
+                assert exc.errno in (errno.EEXIST, errno.ENOENT, errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY,
+                                     errno.EPERM), exc
+                counts["refused"] += 1
+
+    async with RpcClient(TOKEN) as client:
+        first, second = RemoteMeta(client, meta_addresses[:1]), RemoteMeta(client, meta_addresses[1:])
+        parent = (await first.mkdir(ROOT, 1, b"race", 0o755)).ino
+        async with trio.open_nursery() as nursery:
+            for seed, meta in enumerate((first, second, first, second)):
+                nursery.start_soon(racer, meta, seed, parent)
+    assert counts["ok"] > 50 and counts["refused"] > 0
+    processes.stop_all()
+    db = open_database(f"sqlite:///{tmp_path / 'meta.db'}")
+    try:
+        assert check(db) == []  # no duplicate or dangling entries, right nlinks, no orphaned inodes
+    finally:
+        db.close()
