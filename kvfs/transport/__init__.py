@@ -1,6 +1,6 @@
 """Bulk-data transports: TCP always, RDMA (pyverbs, imported lazily) when both ends have a device.
 
-See README.md in this package for what is ready and what integration into ``kvfs.rpc`` remains.
+``kvfs.rpc`` uses :mod:`kvfs.transport.link`; README.md in this package says what is wired and what never ran on hardware.
 """
 
 from kvfs.transport.buffers import BufferPool, LocalSge, RemoteBuffer, Slab
