@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import trio
 
 from chunkserver.engine import ChunkEngine
 from chunkserver.service import ChunkServer, target_id_for

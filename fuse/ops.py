@@ -31,7 +31,6 @@ from meta.types import Attr, Caller, Layout
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-R_OK, W_OK, X_OK = 4, 2, 1
 _NOW_WINDOW_NS = 2_000_000_000  # see setattr: pyfuse3 turns UTIME_NOW into a timestamp
 
 
@@ -296,11 +295,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def access(self, inode, mode, ctx):
-        caller = self._caller(ctx)
-        if _has_op(self.meta, "access"):
-            return (await self.meta.access(caller, inode, mode)) is not False
-        attr = await self.meta.getattr(caller, inode)
-        return _allowed(caller, attr, mode)
+        return await self.meta.access(self._caller(ctx), inode, mode)
 
     @_fuse_errors
     async def statfs(self, ctx):
@@ -634,25 +629,3 @@ def _chunk_pieces(chunk_size: int, offset: int, length: int):
         n = min(chunk_size - pos % chunk_size, end - pos)
         yield pos, pos - offset, n
         pos += n
-
-
-def _has_op(meta: Any, name: str) -> bool:
-    try:
-        getattr(meta, name)
-        return True
-    except AttributeError:
-        return False
-
-
-def _allowed(caller: Caller, attr: Attr, want: int) -> bool:
-    """access(2) by mode bits, for a meta without an ``access`` operation (meta still checks every real op)."""
-    want &= 7
-    if caller.uid == 0:
-        return not (want & X_OK and not stat.S_ISDIR(attr.mode) and not attr.mode & 0o111)
-    if caller.uid == attr.uid:
-        bits = attr.mode >> 6
-    elif caller.in_group(attr.gid):
-        bits = attr.mode >> 3
-    else:
-        bits = attr.mode
-    return not (want & ~bits & 7)

@@ -50,6 +50,7 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("get_layout", True),
     ("set_layout", False),
     ("resolve", True),
+    ("access", True),
 )
 METHOD_BASE = 100
 

@@ -274,6 +274,19 @@ class MetaStore:
         """Attributes of any existing inode (stat needs no permission on the file itself)."""
         return self.db.run(lambda tr: self._inode(tr, ino).attr)
 
+    def access(self, caller: Caller, ino: int, mask: int) -> bool:
+        """access(2): True when ``caller`` may read/write/execute (``mask`` of R_OK|W_OK|X_OK) the inode.
+
+        The mount needs this because it mounts without ``default_permissions``: meta is the one judge."""
+        attr = self.getattr(caller, ino)
+        try:
+            _access(caller, attr, mask & 7)
+        except KvfsError as exc:
+            if exc.errno == errno.EACCES:
+                return False
+            raise
+        return True
+
     def resolve(self, caller: Caller, path: bytes | str, *, follow: bool = True) -> Attr:
         """Walk an absolute path from the root with search checks on every directory, following
         symlinks in the middle (and at the end if ``follow``); ELOOP after SYMLOOP_MAX of them."""
