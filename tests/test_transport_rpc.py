@@ -30,7 +30,7 @@ from kvfs.rpc import RpcClient, RpcServer
 from kvfs.transport import link
 from kvfs.transport.buffers import BufferPool, RemoteBuffer, buffer_address
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
-from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
+from kvfs.transport.handshake import RDMA_CONNECT, RdmaOffer
 from kvfs.transport.link import CallPlan, plan_call, resolve_mode
 from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode, detect_rdma
 from kvfs.wire import Limits, Method
@@ -434,7 +434,7 @@ async def test_forced_client_against_a_refusing_server_is_an_error(nursery, fabr
 # ------------------------------------------------------------------------- the RDMA data path
 
 
-async def rdma_pair(nursery, fabric, **client_kw):
+async def rdma_pair(nursery, fabric):
     server_factory = FakeFactory(fabric)
     server, address, calls = await start_server(nursery, server_factory)
     client_factory = FakeFactory(fabric)
