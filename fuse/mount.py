@@ -23,13 +23,18 @@ log = logging.getLogger(__name__)
 
 
 def mount_options(*, allow_other: bool = True, extra: Iterable[str] = ()) -> set[str]:
-    """The mount options kvfs uses.  No ``default_permissions``: meta checks every caller itself
-    (DESIGN.md, Security), with the caller's uid, gid and supplementary groups.
+    """The mount options kvfs uses.
+
+    ``default_permissions``: the kernel checks mode bits too, with the caller's credentials. Meta checks every
+    operation itself (it is the judge for kvclient, which has no kernel in the way), but only the kernel sees
+    accesses that never reach the daemon — a lookup answered from the dentry cache skips the search-permission
+    check of its directory, and ``fs.protected_hardlinks`` asks the kernel's own permission check. Without it the
+    mount would be a way around permissions; with both, a caller must pass both.
 
     No ``max_read=``: libfuse refuses it unless the init handler sets the same value, which pyfuse3
     does not let us do; without it the kernel's read size is bounded only by max_pages, and libfuse
     negotiates max_write = max_pages * page size = 1 MiB by itself."""
-    opts = {"fsname=kvfs", "subtype=kvfs"}
+    opts = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
     if allow_other:
         opts.add("allow_other")
     opts.update(extra)

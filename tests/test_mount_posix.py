@@ -329,12 +329,6 @@ def test_unprivileged_caller_gets_the_same_answers_as_on_local_disk(d, local_dir
         assert (ls.st_mode, ls.st_uid, ls.st_gid, size(ls)) == (ms.st_mode, ms.st_uid, ms.st_gid, size(ms)), rel
 
 
-DENTRY_BYPASS = ("fuse/mount.py mount_options + fuse/ops.py: without default_permissions the kernel never asks the "
-                 "daemon about search (x) permission on a directory whose child's dentry is cached (entry_timeout "
-                 "1 s): after root looks up noexec/f, uid 1000 can stat and open it although noexec is 0700")
-
-
-@pytest.mark.xfail(strict=True, reason=DENTRY_BYPASS)
 def test_search_permission_holds_for_entries_another_user_just_looked_up(d):
     os.chmod(d, 0o755)
     os.mkdir(d / "noexec", 0o700)
@@ -349,9 +343,6 @@ def test_search_permission_holds_for_entries_another_user_just_looked_up(d):
 
 @pytest.mark.skipif(Path("/proc/sys/fs/protected_hardlinks").read_text().strip() != "1",
                     reason="fs.protected_hardlinks is off here")
-@pytest.mark.xfail(strict=True, reason="fs.protected_hardlinks does not hold on the mount: the kernel's "
-                   "safe_hardlink_source() asks inode_permission(), which FUSE without default_permissions always "
-                   "grants, and meta's link does not apply the rule itself; uid 1000 can hard-link root's 0600 file")
 def test_protected_hardlinks_hold_on_the_mount(d, local_dir):
     for b in (local_dir, d):
         os.chmod(b, 0o755)
