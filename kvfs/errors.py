@@ -94,6 +94,7 @@ class TransactionTooOld(KvfsError):
 
 
 _BY_ERRNO: dict[int, type[KvfsError]] = {
+    _errno.ESHUTDOWN: ServiceUnavailable,  # a draining server refused the call before running it
     _errno.EPROTO: ProtocolError,
     _errno.ESTALE: StaleRouting,
     _errno.EBADMSG: ChecksumMismatch,

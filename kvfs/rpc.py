@@ -759,6 +759,10 @@ class RpcServer:
         self.port: int | None = None
         self.connections_refused = 0
         self.peers: set[PeerConnection] = set()
+        self._accepting: trio.CancelScope | None = None
+        self._draining = False
+        self._running = 0  # handlers in progress
+        self._idle = trio.Event()
 
     def _factory(self) -> rdma.EndpointFactory:
         if self._rdma_factory is None:
@@ -809,12 +813,26 @@ class RpcServer:
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener)
-            task_status.started(self.port)
+            with trio.CancelScope() as self._accepting:
+                async with trio.open_nursery() as accepting:
+                    for listener in listeners:
+                        accepting.start_soon(self._accept_loop, listener, nursery)
+                    task_status.started(self.port)
 
-    async def _accept_loop(self, listener: trio.SocketListener) -> None:
-        async with listener, trio.open_nursery() as nursery:
+    async def drain(self, grace: float) -> None:
+        """Stop gracefully: accept no new connections, refuse calls that arrive from now on with ESHUTDOWN (they
+        did not run, so any client may send them elsewhere), and wait up to ``grace`` seconds for the handlers
+        already running, so a restart never leaves a caller unsure whether its call happened."""
+        self._draining = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+        with trio.move_on_after(grace):
+            while self._running:
+                await self._idle.wait()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Accept until :meth:`drain`; connections live in the server's nursery, so they outlive accepting."""
+        async with listener:
             while True:
                 try:
                     stream = await listener.accept()
@@ -901,7 +919,9 @@ class RpcServer:
             entry = self._handlers.get(header.method)
             request: Any = None
             failure: KvfsError | None = None
-            if entry is None:
+            if self._draining:
+                failure = ServiceUnavailable(f"{self.log.name} is shutting down; call not run", errno.ESHUTDOWN)
+            elif entry is None:
                 failure = KvfsError(f"unknown method id {header.method}", errno.ENOSYS)
             else:
                 try:  # decode before the data section arrives: the body is a view into the read buffer
@@ -947,6 +967,7 @@ class RpcServer:
                 assert entry is not None
                 method, handler = entry
                 started = trio.current_time()
+                self._running += 1
                 try:
                     result = await handler(request, data, CallContext(peer, method, conn))
                     if buffers is not None and buffers[1] is not None:
@@ -959,6 +980,11 @@ class RpcServer:
                 except Exception as exc:
                     self.log.exception("%s from %s failed", method.name, peer)
                     failure = KvfsError(f"internal error in {method.name}: {type(exc).__name__}: {exc}", errno.EIO)
+                finally:
+                    self._running -= 1
+                    if not self._running:
+                        self._idle.set()
+                        self._idle = trio.Event()
                 RPC_SECONDS.labels(method.name).observe(trio.current_time() - started)
                 RPC_CALLS.labels(method.name, failure.errno if failure else 0).inc()
             if failure is not None:

@@ -66,11 +66,19 @@ async def serve_http(
     await trio.serve_listeners(lambda s: _http_connection(s, health), listeners)
 
 
+#: RPC servers of this process, drained before it exits (see RpcServer.drain).
+_servers: list[Any] = []
+DRAIN_GRACE = 10.0
+
+
 async def until_signalled(scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` on SIGTERM or SIGINT so the service unwinds through its nurseries."""
+    """On SIGTERM or SIGINT, let running calls finish, then cancel ``scope`` so the service unwinds."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             log.info("received %s, shutting down", signal.Signals(signum).name)
+            async with trio.open_nursery() as nursery:
+                for server in _servers:
+                    nursery.start_soon(server.drain, DRAIN_GRACE)
             scope.cancel()
             return
 
@@ -99,6 +107,7 @@ async def serve_rpc(
     from kvfs.rpc import parse_address
 
     host, port = parse_address(listen)
+    _servers.append(server)
     async with trio.open_nursery() as nursery:
         bound = await nursery.start(server.serve, host, port)
         log.info("%s serving on %s:%s", server.log.name, host, bound)

@@ -235,3 +235,31 @@ async def test_idempotent_calls_retry_after_server_restart(client):
         await nursery.start(run_server, port)
         assert (await client.call(address, ECHO, EchoRequest("2"))).text == "2"
         nursery.cancel_scope.cancel()
+
+
+async def test_drain_finishes_running_calls_and_refuses_new_ones(client):
+    from kvfs.errors import ServiceUnavailable
+
+    async with trio.open_nursery() as nursery:
+        srv = RpcServer(TOKEN)
+        srv.register(ECHO_ONCE, echo)
+        port = await nursery.start(srv.serve, "127.0.0.1", 0)
+        address = f"127.0.0.1:{port}"
+        results = {}
+
+        async def slow():
+            results["slow"] = await client.call(address, ECHO_ONCE, EchoRequest("slow", delay=0.5))
+
+        nursery.start_soon(slow)
+        await trio.sleep(0.1)
+        async with trio.open_nursery() as draining:
+            draining.start_soon(srv.drain, 5)
+            await trio.sleep(0.05)
+            with pytest.raises(ServiceUnavailable) as info:  # not run: safe to send anywhere else
+                await client.call(address, ECHO_ONCE, EchoRequest("late"))
+            assert info.value.errno == errno.ESHUTDOWN
+        with trio.fail_after(2):  # drain returned once the running call had answered; the answer arrives
+            while "slow" not in results:
+                await trio.sleep(0.01)
+        assert results["slow"].text == "slow"
+        nursery.cancel_scope.cancel()
