@@ -219,6 +219,9 @@ class ChunkServer:
         except ProtocolError as exc:
             log.warning("target %s dropped %s: %s", target_id, type(event).__name__, exc.message)
             return
+        except Exception:  # a bug in one chunk's handling must not take every target of the server down
+            log.exception("target %s failed to handle %s", target_id, type(event).__name__)
+            return
         self._execute(target_id, effects)
 
     def _execute(self, target_id: int, effects: list[Effect]) -> None:
