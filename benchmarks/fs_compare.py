@@ -1,0 +1,859 @@
+#!/usr/bin/env python3
+"""Compare kvfs with MooseFS and a plain local directory: the same fio jobs and metadata loop on all three.
+
+    sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000]
+                                                    [--skip-kvfs] [--skip-moosefs] [--skip-local]
+                                                    [--install] [--keep] [--json-out FILE]
+
+Targets, one after the other (each is set up, measured and torn down before the next starts, so idle
+daemons of one do not steal CPU from another on a small machine):
+
+* ``local``   a directory under the work dir (same disk as the other two targets' data);
+* ``kvfs``    ``kvfs up`` on a temp data dir: mgmtd, meta, 3 chunk servers, chains of 3 replicas, FUSE mount;
+* ``moosefs`` Debian's moosefs packages: mfsmaster and 3 mfschunkserver (goal 3, trash time 0), in a
+  network namespace of this script's own (``kvfsbench-mfs``; a veth pair 10.231.0.1/24 on the host side,
+  10.231.0.2/24 inside; MooseFS chunk servers refuse a master on 127.0.0.0/8), mounted on the host with
+  mfsmount.  The daemons run at nice 0 like kvfs's (MooseFS defaults to -19) and the veth MTU is 65535
+  like loopback's, so neither system gets a head start from the set-up.
+
+fio jobs (``--output-format=json``, psync, direct=0, one job, fallocate=none):
+
+* ``seqwrite``       1 MiB sequential writes over a SIZE file, time based (RUNTIME s, wrapping around);
+* ``seqwrite+fsync`` the same with ``end_fsync=1`` (the final flush is part of the time);
+* ``seqread``        1 MiB sequential reads of that file for RUNTIME s, every pass cold: ``loops`` with
+  ``invalidate=1`` makes fio reopen the file and drop its cached pages before each pass (``time_based``
+  would wrap within one open and, after the first pass, measure the page cache);
+* ``randread``       4 KiB random reads for RUNTIME s, the same way: each pass reads every block once, in
+  random order, from a cold page cache; fio advises the kernel the access is random (no readahead).
+
+What stays warm: the servers' own caches (chunk files in the host page cache, mfsmount's read cache) -
+for all targets alike, since they share one disk and one kernel.
+
+The metadata loop (``--files`` N, a child Python process with os calls, so a hung mount cannot hang the
+script): create (open O_CREAT|O_EXCL + close), stat, unlink, each phase timed on its own, in a fresh dir.
+
+Every subprocess has a timeout; mounts are checked (mountinfo type and source, and a statfs that answers)
+before they are used; everything started is torn down in a ``finally`` - unmount, stop daemons, delete the
+namespace and veth pair - also on Ctrl-C, SIGTERM and SIGHUP (further signals during tear-down are
+ignored with a note; every tear-down step is bounded).  Needs root (namespaces, FUSE mounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+NETNS = "kvfsbench-mfs"
+VETH_HOST, VETH_NS = "kvfsb-h", "kvfsb-n"
+HOST_IP, NS_IP, PREFIX = "10.231.0.1", "10.231.0.2", 24
+MFS_MASTER_PORTS = {"ml": 9419, "cs": 9420, "cl": 9421}
+MFS_CS_PORT0 = 9422
+COLD_LOOPS = 1_000_000  # "until runtime ends" for the read jobs
+MFS_PACKAGES = ["moosefs-master", "moosefs-chunkserver", "moosefs-client"]
+MFS_TOOLS = ["mfsmaster", "mfschunkserver", "mfsmount", "mfssetgoal", "mfsgetgoal", "mfssettrashtime",
+             "mfscheckfile"]
+
+# (key, label, unit)
+METRICS = [
+    ("seqwrite", "seq write 1M", "MB/s"),
+    ("seqwrite_fsync", "seq write 1M, end_fsync=1", "MB/s"),
+    ("seqread", "seq read 1M (cold)", "MB/s"),
+    ("randread", "rand read 4K (cold)", "IOPS"),
+    ("create", "create", "ops/s"),
+    ("stat", "stat", "ops/s"),
+    ("unlink", "unlink", "ops/s"),
+]
+
+
+class BenchError(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    with contextlib.suppress(OSError):  # a closed stdout (| head) must not stop a tear-down half-way
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------- processes
+
+
+def _killpg(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def run(cmd: list[str], timeout: float, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session with a timeout; kill its whole group on timeout or interruption."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, text=True, start_new_session=True, **kw)
+    except OSError as e:
+        raise BenchError(f"cannot run {cmd[0]}: {e}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=10)
+        raise BenchError(f"timed out after {timeout:g}s: {' '.join(cmd)}") from None
+    except BaseException:
+        _killpg(proc)
+        with contextlib.suppress(BaseException):
+            proc.communicate(timeout=10)
+        raise
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        tail = ((err or "") + (out or "")).strip()[-1500:]
+        raise BenchError(f"exit status {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    return result
+
+
+def stop_process(proc: subprocess.Popen | None, name: str, grace: float) -> None:
+    """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    _killpg(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        log(f"  {name} ignored SIGTERM for {grace:g}s: killing it")
+        _killpg(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """During tear-down: note further signals instead of dying half-way through."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+
+    def note(signum: int, frame: Any) -> None:
+        print(f"\n(signal {signum} ignored: tearing down, every step is time-bounded; please wait)",
+              file=sys.stderr, flush=True)
+
+    for s in sigs:
+        signal.signal(s, note)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# -------------------------------------------------------------------------------------------- mounts
+
+
+def mount_entry(path: Path) -> dict[str, str] | None:
+    """The last mountinfo entry at ``path`` (fstype and source), or None."""
+    target = os.path.abspath(path)
+    found = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            left, _, right = line.partition(" - ")
+            parts, rparts = left.split(), right.split()
+            if len(parts) > 4 and len(rparts) >= 2:
+                mp = parts[4].encode().decode("unicode_escape")
+                if mp == target:
+                    found = {"fstype": rparts[0], "source": rparts[1].encode().decode("unicode_escape")}
+    return found
+
+
+def check_mounted(path: Path, fstype: str, source_prefix: str = "") -> None:
+    """Raise unless a FUSE mount of the expected type/source is at ``path`` and answers statfs."""
+    entry = mount_entry(path)
+    if entry is None:
+        raise BenchError(f"{path} is not mounted")
+    if entry["fstype"] != fstype or not entry["source"].startswith(source_prefix):
+        raise BenchError(f"{path} has {entry['fstype']} from {entry['source']}, expected {fstype} "
+                         f"from {source_prefix or 'anything'}")
+    run(["stat", "-f", str(path)], timeout=15)  # a hung daemon shows here, in a child, not in us
+
+
+def lazy_unmount(path: Path) -> None:
+    for cmd in (["fusermount3", "-u", "-z"], ["fusermount", "-u", "-z"], ["umount", "-l"]):
+        if mount_entry(path) is None:
+            return
+        if shutil.which(cmd[0]):
+            with contextlib.suppress(BenchError):
+                run([*cmd, str(path)], timeout=20, check=False)
+
+
+def unmount(path: Path, what: str) -> None:
+    """Clean unmount (so data is flushed), then lazily if that failed or hung."""
+    if mount_entry(path) is None:
+        return
+    try:
+        run(["fusermount3", "-u", str(path)] if shutil.which("fusermount3") else ["umount", str(path)],
+            timeout=30)
+    except BenchError as e:
+        log(f"  clean unmount of {what} failed ({e}); unmounting lazily")
+    lazy_unmount(path)
+    if mount_entry(path) is not None:
+        log(f"  WARNING: {path} is still mounted")
+
+
+def wait_for(pred: Callable[[], bool], timeout: float, what: str, alive: Callable[[], bool] = lambda: True,
+             interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if not alive():
+            raise BenchError(f"{what}: the process exited")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{what}: not within {timeout:g}s")
+        time.sleep(interval)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie counts as gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------- benchmarks
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([kmgt]?)i?b?", text.strip().lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 256M, 1G)")
+    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+
+
+def fio_jobs(size: int, runtime: int) -> list[tuple[str, list[str]]]:
+    common = [f"--size={size}", f"--runtime={runtime}"]
+    return [
+        ("seqwrite", ["--name=seqwrite", "--filename=fio-seqwrite", "--rw=write", "--bs=1M", "--time_based",
+                      "--end_fsync=0", *common]),
+        ("seqwrite_fsync", ["--name=seqwrite_fsync", "--filename=fio-data", "--rw=write", "--bs=1M",
+                            "--time_based", "--end_fsync=1", *common]),
+        # loops + invalidate instead of time_based: fio reopens the file and drops its cached pages before
+        # every pass, so each pass is cold (time_based wraps inside one open and re-reads the page cache);
+        # runtime still ends the job
+        ("seqread", ["--name=seqread", "--filename=fio-data", "--rw=read", "--bs=1M", "--invalidate=1",
+                     f"--loops={COLD_LOOPS}", *common]),
+        ("randread", ["--name=randread", "--filename=fio-data", "--rw=randread", "--bs=4k", "--invalidate=1",
+                      f"--loops={COLD_LOOPS}", *common]),
+    ]
+
+
+def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, figures: dict[str, float],
+            details: dict[str, Any]) -> bool:
+    """All fio jobs on ``directory``; figures and details are filled in as each job ends.  False if a job
+    timed out (the filesystem looks hung: the rest would only time out too)."""
+    for key, args in fio_jobs(size, runtime):
+        out = out_dir / f"fio-{tag}-{key}.json"
+        cmd = ["fio", "--output-format=json", f"--output={out}", "--ioengine=psync", "--direct=0", "--numjobs=1",
+               "--fallocate=none", f"--directory={directory}", *args]
+        # layout of the read file (if the write left it short) + the run + the final fsync: generous bound
+        timeout = 3 * runtime + 120 + size / 5e6
+        log(f"  fio {key} ...")
+        try:
+            r = run(cmd, timeout=timeout, check=False)
+            text = out.read_text(errors="replace") if out.exists() else ""
+            try:  # fio may put notes before the JSON document
+                job = json.loads(text[text.find("{"):])["jobs"][0]
+            except (ValueError, KeyError, IndexError):
+                raise BenchError(f"fio wrote no usable JSON (exit {r.returncode}): "
+                                 f"{(r.stderr or r.stdout or text).strip()[-800:]}") from None
+            if job.get("error"):
+                raise BenchError(f"fio job error {job['error']}: {(r.stderr or '').strip()[-800:]}")
+            side = job["write"] if key.startswith("seqwrite") else job["read"]
+            value = side["iops"] if key == "randread" else side["bw_bytes"] / 1e6
+            figures[key] = value
+            details[key] = {
+                "io_bytes": side["io_bytes"], "runtime_ms": side["runtime"], "bw_bytes": side["bw_bytes"],
+                "iops": side["iops"], "clat_mean_us": side.get("clat_ns", {}).get("mean", 0) / 1e3,
+                "clat_p99_us": side.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3,
+            }
+            unit = "IOPS" if key == "randread" else "MB/s"
+            log(f"    {value:,.1f} {unit} ({side['io_bytes'] / 2**20:,.0f} MiB in {side['runtime'] / 1e3:.1f} s, "
+                f"mean latency {details[key]['clat_mean_us']:,.0f} us)")
+        except BenchError as e:
+            log(f"    FAILED: {e}")
+            details[key] = {"error": str(e)}
+            if str(e).startswith("timed out"):
+                log(f"    {tag} looks hung: skipping its remaining jobs")
+                return False
+        if key == "seqwrite":
+            remove(directory / "fio-seqwrite")
+    remove(directory / "fio-data")
+    return True
+
+
+def remove(path: Path) -> None:
+    """rm in a child with a timeout: an unlink on a hung mount must not hang the script."""
+    with contextlib.suppress(BenchError):
+        run(["rm", "-f", str(path)], timeout=120)
+
+
+def meta_worker(directory: str, files: int) -> None:
+    """Child mode: the metadata loop, one JSON line on stdout."""
+    d = os.path.join(directory, f"meta-{os.getpid()}")
+    os.mkdir(d)
+    names = [os.path.join(d, f"f{i:05d}") for i in range(files)]
+    out: dict[str, float] = {}
+    phases = [
+        ("create", lambda p: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))),
+        ("stat", os.stat),
+        ("unlink", os.unlink),
+    ]
+    for phase, op in phases:
+        start = time.perf_counter()
+        for p in names:
+            op(p)
+        out[phase] = files / (time.perf_counter() - start)
+    os.rmdir(d)
+    print(json.dumps(out))
+
+
+def run_meta(directory: Path, files: int, figures: dict[str, float]) -> None:
+    log(f"  metadata loop: create/stat/unlink of {files:,} files ...")
+    try:
+        r = run([sys.executable, os.path.abspath(__file__), "--meta-worker", str(directory), str(files)],
+                timeout=max(300.0, files * 0.2))
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except (BenchError, ValueError, IndexError) as e:
+        log(f"    FAILED: {e}")
+        return
+    figures.update(found)
+    log("    " + ", ".join(f"{k} {v:,.0f}/s" for k, v in found.items()))
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+class Target:
+    name = "?"
+
+    def __init__(self, work: Path, args: argparse.Namespace) -> None:
+        self.work = work
+        self.args = args
+        self.notes: list[str] = []
+
+    def unavailable(self) -> str | None:
+        """Why this target cannot run here (with what to do about it), or None."""
+        return None
+
+    def setup(self) -> Path:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        pass
+
+
+class LocalTarget(Target):
+    name = "local"
+
+    def setup(self) -> Path:
+        d = self.work / "local"
+        d.mkdir(parents=True, exist_ok=True)
+        fs = run(["stat", "-f", "-c", "%T", str(d)], timeout=15).stdout.strip()
+        self.notes.append(f"local dir {d} ({fs})")
+        return d
+
+
+class KvfsTarget(Target):
+    name = "kvfs"
+
+    def __init__(self, work: Path, args: argparse.Namespace) -> None:
+        super().__init__(work, args)
+        self.data = work / "kvfs-data"
+        self.mnt = work / "kvfs-mnt"
+        self.kvfs = self._kvfs_cmd()
+
+    @staticmethod
+    def _kvfs_cmd() -> list[str] | None:
+        venv_python = REPO / ".venv" / "bin" / "python"
+        if venv_python.exists():
+            return [str(venv_python), "-m", "kvfs"]
+        try:
+            import kvfs  # noqa: F401
+            return [sys.executable, "-m", "kvfs"]
+        except ImportError:
+            return [exe] if (exe := shutil.which("kvfs")) else None
+
+    def unavailable(self) -> str | None:
+        if self.kvfs is None:
+            return f"kvfs not found (no {REPO}/.venv, not importable, not on PATH): make the venv first"
+        if not os.path.exists("/dev/fuse"):
+            return "no /dev/fuse"
+        return None
+
+    def _clean_stale(self) -> None:
+        """kvfs clusters of this script's earlier runs killed with SIGKILL: ``kvfs down`` each one."""
+        stale = set()
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                m = re.search(rb"\x00(/[^\x00]*/fs_compare-[^/\x00]+/kvfs-data)/cluster\.toml\x00",
+                              (proc / "cmdline").read_bytes())
+                if m and Path(m.group(1).decode()) != self.data:
+                    stale.add(m.group(1).decode())
+        for data in sorted(stale):
+            log(f"  stale kvfs cluster of an earlier run at {data}: kvfs down")
+            with contextlib.suppress(BenchError):
+                run([*self.kvfs, "down", "--data", data], timeout=90, cwd=str(REPO))
+
+    def setup(self) -> Path:
+        self._clean_stale()
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        log("  kvfs up (3 chunk servers, 3 replicas) ...")
+        r = run([*self.kvfs, "up", "--data", str(self.data), "--mount", str(self.mnt), "--chunkservers", "3",
+                 "--replicas", "3"], timeout=180, cwd=str(REPO))
+        for line in r.stdout.strip().splitlines():
+            log(f"    {line}")
+        check_mounted(self.mnt, "fuse.kvfs")
+        d = self.mnt / "bench"
+        run(["mkdir", "-p", str(d)], timeout=30)
+        return d
+
+    def teardown(self) -> None:
+        if (self.data / "local.json").exists():
+            log("  kvfs down ...")
+            try:
+                run([*self.kvfs, "down", "--data", str(self.data)], timeout=90, cwd=str(REPO))
+            except BenchError as e:
+                log(f"  kvfs down failed: {e}")
+        if mount_entry(self.mnt) is not None:
+            log("  kvfs mount still there after kvfs down: unmounting lazily")
+            lazy_unmount(self.mnt)
+        self._kill_leftovers()
+        self.scan_logs()
+
+    def _kill_leftovers(self) -> None:
+        """Processes kvfs down missed: only pids from our pid files whose command line names our config."""
+        config = str(self.data / "cluster.toml").encode()
+        for pidfile in (self.data / "run").glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(pidfile.read_text())
+                if config in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    log(f"  killing leftover kvfs process {pidfile.stem} (pid {pid})")
+                    os.killpg(pid, signal.SIGKILL)
+
+    def scan_logs(self) -> None:
+        """Product-side findings: ERROR / Traceback lines in the kvfs logs, summarised into the notes."""
+        errors = re.compile(r"\b(ERROR|CRITICAL|Traceback|Exception)\b")
+        warnings = re.compile(r"\bWARNING\b")
+        for logfile in sorted((self.data / "logs").glob("*.log")):
+            with contextlib.suppress(OSError):
+                lines = logfile.read_text(errors="replace").splitlines()
+                errs = [ln for ln in lines if errors.search(ln)]
+                warns = [ln for ln in lines if warnings.search(ln)]
+                if errs or warns:
+                    first = (errs or warns)[0].strip()[:300]
+                    self.notes.append(f"kvfs logs/{logfile.name}: {len(errs)} ERROR/Traceback and {len(warns)} "
+                                      f"WARNING lines, first: {first}")
+        if not any(n.startswith("kvfs logs/") for n in self.notes):
+            self.notes.append("kvfs logs: no ERROR/Traceback/WARNING lines")
+
+
+class MooseFSTarget(Target):
+    name = "moosefs"
+
+    def __init__(self, work: Path, args: argparse.Namespace) -> None:
+        super().__init__(work, args)
+        self.root = work / "moosefs"
+        self.mnt = work / "moosefs-mnt"
+        self.master: subprocess.Popen | None = None
+        self.chunkservers: list[subprocess.Popen] = []
+        self.mount_proc: subprocess.Popen | None = None
+        self.made_netns = False
+
+    def unavailable(self) -> str | None:
+        missing = [t for t in MFS_TOOLS if shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
+        if missing:
+            return (f"MooseFS tools missing ({', '.join(missing)}): apt-get install -y {' '.join(MFS_PACKAGES)} "
+                    f"(or rerun with --install)")
+        if shutil.which("ip") is None:
+            return "iproute2 missing: apt-get install -y iproute2"
+        if os.geteuid() != 0:
+            return "needs root (network namespace, veth pair)"
+        if not os.path.exists("/dev/fuse"):
+            return "no /dev/fuse"
+        return None
+
+    # ---- namespace
+
+    def _netns_exists(self) -> bool:
+        r = run(["ip", "netns", "list"], timeout=15, check=False)
+        return any(line.split()[0] == NETNS for line in r.stdout.splitlines() if line.strip())
+
+    def _link_exists(self) -> bool:
+        return run(["ip", "link", "show", VETH_HOST], timeout=15, check=False).returncode == 0
+
+    def _remove_netns(self) -> None:
+        """Kill what still runs in our namespace (ours by construction), delete it and the veth pair."""
+        if self._netns_exists():
+            r = run(["ip", "netns", "pids", NETNS], timeout=15, check=False)
+            pids = [int(p) for p in r.stdout.split() if p.isdigit()]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    log(f"  killing pid {pid} left in netns {NETNS}")
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(BenchError):
+                wait_for(lambda: not any(_alive(p) for p in pids), 10, "leftover MooseFS processes to exit")
+            run(["ip", "netns", "del", NETNS], timeout=15, check=False)
+        if self._link_exists():
+            run(["ip", "link", "del", VETH_HOST], timeout=15, check=False)
+        with contextlib.suppress(BenchError):
+            wait_for(lambda: not self._link_exists(), 10, f"removal of {VETH_HOST}")
+
+    def _clean_stale(self) -> None:
+        """What a previous run of this script left behind if it was killed with SIGKILL."""
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            right = line.partition(" - ")[2].split()
+            if len(right) >= 2 and right[1].encode().decode("unicode_escape").startswith(f"mfs#{NS_IP}:"):
+                mp = Path(line.split()[4].encode().decode("unicode_escape"))
+                log(f"  stale MooseFS mount of an earlier run at {mp}: unmounting lazily")
+                lazy_unmount(mp)
+        # an old mfsmount would reconnect to the new master (same address) with its old session and chunk
+        # locks, and the new cluster's writes hang: kill mfsmount processes of this script's earlier runs
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                cmdline = (proc / "cmdline").read_bytes()
+                if cmdline.startswith(b"mfsmount") and re.search(rb"/fs_compare-[^/\x00]+/moosefs-mnt", cmdline):
+                    log(f"  killing stale mfsmount of an earlier run (pid {proc.name})")
+                    os.kill(int(proc.name), signal.SIGKILL)
+        if self._netns_exists() or self._link_exists():
+            log(f"  stale netns {NETNS} / {VETH_HOST} of an earlier run: removing")
+            self._remove_netns()
+
+    def _make_netns(self) -> None:
+        taken = run(["ip", "-o", "addr", "show"], timeout=15).stdout
+        if re.search(r"inet 10\.231\.0\.", taken):
+            raise BenchError("10.231.0.0/24 is already in use on this host; not touching it")
+        self.made_netns = True
+        for cmd in (
+            ["ip", "netns", "add", NETNS],
+            ["ip", "link", "add", VETH_HOST, "type", "veth", "peer", "name", VETH_NS],
+            ["ip", "link", "set", VETH_NS, "netns", NETNS],
+            ["ip", "addr", "add", f"{HOST_IP}/{PREFIX}", "dev", VETH_HOST],
+            ["ip", "link", "set", VETH_HOST, "mtu", "65535", "up"],
+            ["ip", "-n", NETNS, "addr", "add", f"{NS_IP}/{PREFIX}", "dev", VETH_NS],
+            ["ip", "-n", NETNS, "link", "set", VETH_NS, "mtu", "65535", "up"],
+            ["ip", "-n", NETNS, "link", "set", "lo", "up"],
+        ):
+            run(cmd, timeout=15)
+
+    # ---- daemons
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        logf = open(self.root / f"{name}.log", "ab")
+        try:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=str(self.root))
+        finally:
+            logf.close()
+
+    def _log_tail(self, name: str) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / f"{name}.log").read_text(errors="replace")[-1200:]
+        return ""
+
+    def _write_configs(self) -> None:
+        m = self.root / "master"
+        m.mkdir(parents=True)
+        (m / "mfsmaster.cfg").write_text("\n".join([
+            "WORKING_USER = root", "WORKING_GROUP = root", f"DATA_PATH = {m}",
+            f"EXPORTS_FILENAME = {m}/mfsexports.cfg", f"TOPOLOGY_FILENAME = {m}/mfstopology.cfg",
+            f"MATOML_LISTEN_HOST = {NS_IP}", f"MATOML_LISTEN_PORT = {MFS_MASTER_PORTS['ml']}",
+            f"MATOCS_LISTEN_HOST = {NS_IP}", f"MATOCS_LISTEN_PORT = {MFS_MASTER_PORTS['cs']}",
+            f"MATOCL_LISTEN_HOST = {NS_IP}", f"MATOCL_LISTEN_PORT = {MFS_MASTER_PORTS['cl']}",
+            "NICE_LEVEL = 0", "LOCK_MEMORY = 0", "",
+        ]))
+        (m / "mfsexports.cfg").write_text(f"{HOST_IP}/32 / rw,alldirs,admin,maproot=0:0\n")
+        (m / "mfstopology.cfg").write_text("")
+        empty = Path("/var/lib/mfs/metadata.mfs.empty")
+        if empty.exists():
+            shutil.copy(empty, m / "metadata.mfs")
+        else:
+            (m / "metadata.mfs").write_bytes(b"MFSM NEW")
+        for i in range(1, 4):
+            c = self.root / f"cs{i}"
+            (c / "hdd").mkdir(parents=True)
+            (c / "mfshdd.cfg").write_text(f"{c / 'hdd'}\n")
+            (c / "mfschunkserver.cfg").write_text("\n".join([
+                "WORKING_USER = root", "WORKING_GROUP = root", f"DATA_PATH = {c}",
+                f"HDD_CONF_FILENAME = {c}/mfshdd.cfg", f"MASTER_HOST = {NS_IP}",
+                f"MASTER_PORT = {MFS_MASTER_PORTS['cs']}", f"BIND_HOST = {NS_IP}",
+                f"CSSERV_LISTEN_HOST = {NS_IP}", f"CSSERV_LISTEN_PORT = {MFS_CS_PORT0 + i - 1}",
+                "NICE_LEVEL = 0", "LOCK_MEMORY = 0", "HDD_LEAVE_SPACE_DEFAULT = 1GiB", "",
+            ]))
+
+    def setup(self) -> Path:
+        self._clean_stale()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._make_netns()
+        self._write_configs()
+        log(f"  netns {NETNS}: {HOST_IP} (host) <-> {NS_IP} (namespace); starting mfsmaster + 3 mfschunkserver")
+        netns = ["ip", "netns", "exec", NETNS]
+        self.master = self._spawn("master", [*netns, "mfsmaster", "-f", "-c",
+                                             str(self.root / "master" / "mfsmaster.cfg"), "start"])
+        master = self.master
+        for port in (MFS_MASTER_PORTS["cs"], MFS_MASTER_PORTS["cl"]):
+            wait_for(lambda: listening(NS_IP, port), 30, f"mfsmaster listening on {NS_IP}:{port}",
+                     alive=lambda: master.poll() is None)
+        for i in range(1, 4):
+            cs = self._spawn(f"cs{i}", [*netns, "mfschunkserver", "-f", "-c",
+                                        str(self.root / f"cs{i}" / "mfschunkserver.cfg"), "start"])
+            self.chunkservers.append(cs)
+            wait_for(lambda: listening(NS_IP, MFS_CS_PORT0 + i - 1), 30, f"mfschunkserver {i} listening",
+                     alive=lambda: cs.poll() is None)
+        ports = {MFS_CS_PORT0 + i for i in range(3)}
+        wait_for(lambda: self._registered() >= ports, 60, "all 3 chunk servers registered with mfsmaster",
+                 alive=lambda: master.poll() is None)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.mount_proc = mp = self._spawn("mfsmount", [
+            "mfsmount", str(self.mnt), "-f", "-H", NS_IP, "-P", str(MFS_MASTER_PORTS["cl"]), "-o", "mfsnice=0"])
+        try:
+            wait_for(lambda: mount_entry(self.mnt) is not None, 30, "mfsmount", alive=lambda: mp.poll() is None)
+        except BenchError as e:
+            raise BenchError(f"{e}; mfsmount log:\n{self._log_tail('mfsmount')}") from None
+        check_mounted(self.mnt, "fuse", f"mfs#{NS_IP}:")
+        run(["mfssetgoal", "-r", "3", str(self.mnt)], timeout=30)
+        run(["mfssettrashtime", "-r", "0", str(self.mnt)], timeout=30)
+        goal = run(["mfsgetgoal", str(self.mnt)], timeout=30).stdout.strip()
+        if not goal.endswith(": 3"):
+            raise BenchError(f"goal of the MooseFS root is not 3: {goal!r}")
+        self._wait_three_copies()
+        d = self.mnt / "bench"
+        run(["mkdir", "-p", str(d)], timeout=30)
+        return d
+
+    def _registered(self) -> set[int]:
+        """Chunk server ports the master logged a completed registration for."""
+        text = ""
+        with contextlib.suppress(OSError):
+            text = (self.root / "master.log").read_text(errors="replace")
+        return {int(p) for p in re.findall(rf"chunkserver register end .*ip: {re.escape(NS_IP)} / port: (\d+)", text)}
+
+    def _wait_three_copies(self) -> None:
+        """Until a freshly written file gets 3 valid copies: all 3 chunk servers registered, goal 3 in effect."""
+        deadline = time.monotonic() + 60
+        attempt = 0
+        while True:
+            attempt += 1
+            probe = self.mnt / f".probe-{attempt}"
+            run(["dd", "if=/dev/zero", f"of={probe}", "bs=64k", "count=1", "conv=fsync"], timeout=30)
+            info = run(["mfscheckfile", str(probe)], timeout=30).stdout
+            run(["rm", "-f", str(probe)], timeout=30)
+            if re.search(r"chunks with 3 copies:\s+1\b", info):
+                self.notes.append(f"MooseFS: 3 chunk servers, goal 3 verified (a probe file got 3 copies, "
+                                  f"attempt {attempt})")
+                return
+            if time.monotonic() > deadline:
+                raise BenchError(f"a MooseFS file did not get 3 copies within 60 s: {info.strip()}")
+            time.sleep(1)
+
+    def teardown(self) -> None:
+        if self.mount_proc is not None or mount_entry(self.mnt) is not None:
+            log("  unmounting MooseFS ...")
+            unmount(self.mnt, "MooseFS")
+            stop_process(self.mount_proc, "mfsmount", 10)
+        for i, cs in enumerate(self.chunkservers, 1):
+            _killpg(cs, signal.SIGTERM)
+        for i, cs in enumerate(self.chunkservers, 1):
+            stop_process(cs, f"mfschunkserver {i}", 20)
+        if self.master is not None:
+            log("  stopping MooseFS daemons ...")
+            stop_process(self.master, "mfsmaster", 30)
+        if self.made_netns:
+            log(f"  deleting netns {NETNS} and veth {VETH_HOST}")
+            self._remove_netns()
+        for name in ("master", "cs1", "cs2", "cs3"):
+            text = self._log_tail(name)
+            errs = [ln for ln in text.splitlines() if re.search(r"error|can't|cannot|fail", ln, re.I)
+                    and "open file limit" not in ln and "open files limit" not in ln]
+            if errs:
+                self.notes.append(f"MooseFS {name} log: {errs[-1].strip()[:200]}")
+
+
+# -------------------------------------------------------------------------------------------- report
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:,.1f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    cols = ["kvfs", "moosefs", "local"]
+    head = ["metric", "unit", "kvfs", "MooseFS", "local", "kvfs/MooseFS", "kvfs/local"]
+    rows = []
+    for key, label, unit in METRICS:
+        vals = [results.get(c, {}).get(key) for c in cols]
+        rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2])])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(head), sep, *map(line, rows)])
+
+
+def versions() -> dict[str, str]:
+    out: dict[str, str] = {}
+    with contextlib.suppress(Exception):
+        out["kvfs"] = run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], timeout=10).stdout.strip()
+    with contextlib.suppress(Exception):
+        out["fio"] = run(["fio", "--version"], timeout=10).stdout.strip()
+    with contextlib.suppress(Exception):
+        r = run(["dpkg-query", "-W", "-f=${Version}", "moosefs-master"], timeout=10, check=False)
+        out["moosefs"] = r.stdout.strip() or "not installed"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def install(packages: list[str]) -> None:
+    log(f"apt-get install -y {' '.join(packages)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    run(["apt-get", "install", "-y", *packages], timeout=900, env=env, stdout=None, stderr=None)
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--meta-worker":
+        meta_worker(sys.argv[2], int(sys.argv[3]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=parse_size, default=parse_size("256M"), help="fio file size (default 256M)")
+    p.add_argument("--runtime", type=int, default=12, help="seconds per fio job (default 12)")
+    p.add_argument("--files", type=int, default=5000, help="files in the metadata loop (default 5000)")
+    p.add_argument("--skip-kvfs", action="store_true")
+    p.add_argument("--skip-moosefs", action="store_true")
+    p.add_argument("--skip-local", action="store_true")
+    p.add_argument("--install", action="store_true", help="apt-get install fio and the moosefs packages if missing")
+    p.add_argument("--workdir", type=Path, default=None, help="parent for the temp dir (default: $TMPDIR or /tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs, fio JSON) afterwards")
+    p.add_argument("--json-out", type=Path, default=None, help="also write all figures and details as JSON here")
+    args = p.parse_args()
+    if args.runtime < 1 or args.files < 1 or args.size < 1 << 20:
+        p.error("--runtime and --files must be positive, --size at least 1M")
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+
+    if args.install:
+        missing = (["fio"] if shutil.which("fio") is None else [])
+        if not args.skip_moosefs and any(shutil.which(t) is None and not Path("/usr/sbin", t).exists()
+                                         for t in MFS_TOOLS):
+            missing += MFS_PACKAGES
+        if missing:
+            install(missing)
+    have_fio = shutil.which("fio") is not None
+    if not have_fio:
+        log("fio not found: apt-get install -y fio (or rerun with --install); running the metadata loop only")
+
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="fs_compare-", dir=args.workdir))
+    classes = [(LocalTarget, args.skip_local), (KvfsTarget, args.skip_kvfs), (MooseFSTarget, args.skip_moosefs)]
+    targets = [cls(work, args) for cls, skip in classes if not skip]
+    results: dict[str, dict[str, float]] = {}
+    details: dict[str, Any] = {}
+    notes: list[str] = []
+    skipped: dict[str, str] = {}
+    status = 0
+    load0 = os.getloadavg()[0]
+    log(f"work dir {work}; size {args.size / 2**20:g} MiB, runtime {args.runtime} s, {args.files:,} files; "
+        f"load average {os.getloadavg()[0]:.2f}")
+    try:
+        for target in targets:
+            why = target.unavailable()
+            if why:
+                log(f"SKIPPING {target.name}: {why}")
+                skipped[target.name] = why
+                continue
+            log(f"== {target.name}")
+            try:
+                try:
+                    directory = target.setup()
+                except BenchError as e:
+                    log(f"SKIPPING {target.name}: set-up failed: {e}")
+                    skipped[target.name] = f"set-up failed: {e}"
+                    status = 1
+                    continue
+                figures = results[target.name] = {}
+                if have_fio:
+                    details[target.name] = {}
+                    if not run_fio(directory, work, target.name, args.size, args.runtime, figures,
+                                   details[target.name]):
+                        status = 1
+                        continue  # (the finally below tears it down)
+                run_meta(directory, args.files, figures)
+            finally:
+                with signals_deferred():
+                    log(f"  tearing down {target.name}")
+                    try:
+                        target.teardown()
+                    except Exception as e:  # noqa: BLE001 - report, keep tearing down the rest
+                        log(f"  tear-down of {target.name} failed: {e}")
+                        status = 1
+                    notes += [f"{target.name}: {n}" for n in target.notes]
+    except KeyboardInterrupt:
+        log("interrupted; everything started was torn down")
+        status = 130
+    finally:
+        with signals_deferred():
+            if args.keep:
+                log(f"kept {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print(f"fs_compare: size {args.size / 2**20:g} MiB, runtime {args.runtime} s per fio job, "
+          f"{args.files:,} files; psync, direct=0, 1 job; MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
+          f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
+    print(table(results))
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    for n in notes:
+        print(f"note: {n}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"args": {"size": args.size, "runtime": args.runtime,
+                                                      "files": args.files},
+                                             "results": results, "details": details, "skipped": skipped,
+                                             "notes": notes, "versions": versions()}, indent=2))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
