@@ -6,7 +6,9 @@ Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount) in a tempo
 chunk sizes of 1, 4 and 16 MiB and 1 and 8 concurrent streams (each stream its own file, whole-chunk
 writes) measures write and read GB/s through :class:`chunkserver.client.StorageClient`, beside a plain
 loopback socket pump measured in the same run, and prints the ratios. Every byte written is replicated
-three times, so the network carries 3x the write figure.
+three times, so the network carries 3x the write figure. On one host the three replicas share one disk, so the
+disk's own fsync'ed write rate (``pwrite`` + ``fdatasync`` of the same chunk size, measured in the same run and
+directory) divided by 3 is the ceiling for replicated writes; the last columns compare against it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ async def measure(config, chunk_size: int, streams: int, per_stream: int) -> tup
         return figures[0], figures[1]
 
 
+def disk_write_rate(directory: Path, chunk_size: int, total: int = 128 << 20) -> float:
+    """Bytes/s of sequential pwrite + fdatasync in ``chunk_size`` pieces: what one disk can take durably."""
+    payload = memoryview(os.urandom(chunk_size))
+    path = directory / "disk-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        for offset in range(0, total, chunk_size):
+            os.pwrite(fd, payload, offset)
+            os.fdatasync(fd)
+        return total / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib-per-stream", type=int, default=64)
@@ -81,18 +99,19 @@ def main() -> None:
             rows = []
             for chunk_size in CHUNK_SIZES:
                 ceiling = plain_pump(pump_port, chunk_size, 1.5) / 1e9
+                disk = disk_write_rate(Path(tmp), chunk_size) / 1e9 if args.fsync else float("nan")
                 for streams in (1, 8):
                     write, read = trio.run(measure, config, chunk_size, streams, args.mib_per_stream << 20)
-                    rows.append((chunk_size, streams, write, read, ceiling))
+                    rows.append((chunk_size, streams, write, read, ceiling, disk / 3))
         finally:
             cluster.down(echo=lambda *a: None)
             pump.terminate()
     print(f"replication 3, fsync={'on' if args.fsync else 'off'}, {args.mib_per_stream} MiB per stream")
     print(f"{'chunk':>6} {'streams':>7} {'write GB/s':>11} {'read GB/s':>10} {'socket pump GB/s':>17}"
-          f" {'write/pump':>11} {'read/pump':>10}")
-    for chunk_size, streams, write, read, ceiling in rows:
+          f" {'write/pump':>11} {'read/pump':>10} {'disk fsync/3 GB/s':>18} {'write/(disk/3)':>15}")
+    for chunk_size, streams, write, read, ceiling, disk3 in rows:
         print(f"{chunk_size >> 20:>4}Mi {streams:>7} {write:>11.3f} {read:>10.3f} {ceiling:>17.2f}"
-              f" {write / ceiling:>11.2f} {read / ceiling:>10.2f}")
+              f" {write / ceiling:>11.2f} {read / ceiling:>10.2f} {disk3:>18.3f} {write / disk3:>15.2f}")
 
 
 if __name__ == "__main__":
