@@ -26,7 +26,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from meta.types import Attr, Caller, Layout
+from meta.types import Attr, Caller, Layout, Opened
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,10 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_fh += 1
         return fh
 
-    async def _attach(self, caller: Caller, attr: Attr, flags: int, session: int | None) -> pyfuse3.FileInfo:
+    async def _attach(self, caller: Caller, opened: Opened, flags: int) -> pyfuse3.FileInfo:
+        attr, session = opened.attr, opened.session
+        if opened.layout is not None:
+            self._layouts[attr.ino] = opened.layout
         st = self._inodes.get(attr.ino)
         if st is None:
             layout = await self._layout(caller, attr.ino)
@@ -415,7 +418,7 @@ class KvfsOperations(pyfuse3.Operations):
             else:
                 old = (await self.meta.getattr(caller, inode)).size
         opened = await self.meta.open(caller, inode, flags)
-        fi = await self._attach(caller, opened.attr, flags, opened.session)
+        fi = await self._attach(caller, opened, flags)
         if flags & os.O_TRUNC and stat.S_ISREG(opened.attr.mode):
             st = self._inodes[inode]
             st.size = 0
@@ -427,7 +430,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         caller = self._caller(ctx)
         opened = await self.meta.create(caller, parent_inode, name, mode, flags)
-        fi = await self._attach(caller, opened.attr, flags, opened.session)
+        fi = await self._attach(caller, opened, flags)
         return fi, self._entry(opened.attr)
 
     def _handle(self, fh: int) -> _Handle:

@@ -472,7 +472,7 @@ class MetaStore:
                 raise _err(errno.EEXIST, repr(name))
             return self._open(tr, caller, entry.ino, flags & ~os.O_CREAT)
         inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino)
-        return Opened(inode.attr, self._start_session(tr, caller, inode, flags))
+        return Opened(inode.attr, self._start_session(tr, caller, inode, flags), inode.layout)
 
     # ------------------------------------------------------------------ links -------------
     def link(self, caller: Caller, ino: int, newparent: int, newname: bytes | str) -> Attr:
@@ -739,7 +739,7 @@ class MetaStore:
             _kill_suid(caller, inode.attr)
             self._touch(inode)
             self._put(tr, inode)
-        return Opened(inode.attr, self._start_session(tr, caller, inode, flags))
+        return Opened(inode.attr, self._start_session(tr, caller, inode, flags), inode.layout)
 
     def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int) -> int | None:
         if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):

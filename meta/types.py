@@ -82,10 +82,12 @@ class DirPage(msgspec.Struct):
 
 
 class Opened(msgspec.Struct):
-    """Result of create/open: the attributes, and the write session id when opened for writing."""
+    """Result of create/open: the attributes, the write session id when opened for writing, and the file's
+    layout (a client needs it for any I/O; returning it here saves a round trip per newly seen file)."""
 
     attr: Attr
     session: int | None = None
+    layout: Layout | None = None
 
 
 class Session(msgspec.Struct):
