@@ -18,7 +18,15 @@ Rules
 7. Reads: only serving members with an unexpired mgmtd lease answer. A clean chunk answers from its committed
    version. A dirty chunk asks the read tail (last serving target) which version is committed. The read tail
    itself serves its committed version, except for pending versions it held when it *became* tail (an
-   old tail may have committed and served them), which it commits before serving them.
+   old tail may have committed and served them), which it commits before serving them, and except for
+   every pending version once it has reported :class:`SyncDone` for its syncing successor (7a).
+7a. Handing the tail over: the syncing successor is the end of the write chain, so it commits a write before
+   the read tail does, and mgmtd makes it serving -- the new read tail -- as soon as the SyncDone arrives, with
+   no lease to wait for: the old tail may keep serving under the old chain version (a heartbeat reply still on
+   its way, or cut off from mgmtd with a valid lease) while the new tail serves a version it has not committed.
+   So from its SyncDone until the next chain config, the read tail serves clean chunks only (a dirty one: retry,
+   EAGAIN); the successor can only hold versions that passed through it, so its clean committed version is
+   still the newest anyone serves.
 8. Client retries carry the same ``(client_id, request_id)``. Every version carries a table of the highest
    request id it includes per client, adopted when the version commits (never earlier: a pending write may
    be dropped), so a retry at any (new) head attaches to the pending write or is answered from the committed
@@ -37,15 +45,18 @@ was never answered. A member that leaves the chain answers its clients with ESTA
 A returning target sits at the end of the write chain as ``syncing``: its predecessor forwards writes to it
 as full-chunk replaces, asks it for its chunk versions (:class:`SyncQuery`) and copies every committed chunk
 whose version or CRC differs; when all are acknowledged it reports :class:`SyncDone` to mgmtd, which makes
-the target serving. The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at
-a member that mgmtd may already have removed from the chain.
+the target serving, and so the new read tail (rule 7a: from then on the old tail serves clean chunks only).
+The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at a member that mgmtd
+may already have removed from the chain.
 
 Driving
 -------
 ``handle(event) -> list[Effect]`` for every input; effects are executed in list order. ``PersistPending`` is
 asynchronous: the driver reports its completion with :class:`Persisted`; every other effect is done before
-the next one starts. Reads use the pure queries :meth:`ChainMember.read_decision`,
-:meth:`ChainMember.answer_version_query` and :meth:`ChainMember.decide_with_tail`. ``handle`` raises
+the next one starts. A ``Tick`` costs O(chunks with a pending version), not O(chunks): the member keeps an
+index of them (retransmitted in chunk creation order, so runs are deterministic). Reads use the pure queries
+:meth:`ChainMember.read_decision`, :meth:`ChainMember.answer_version_query` and
+:meth:`ChainMember.decide_with_tail`. ``handle`` raises
 :class:`ProtocolError` for an event the current state does not expect; nothing else changes replication state.
 """
 
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 from errno import EIO
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,7 +127,8 @@ class PersistFailed:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time passes: retransmit what has not been acknowledged within ``retransmit_after``."""
+    """Time passes: retransmit what has not been acknowledged within ``retransmit_after`` (only chunks with a
+    pending version are looked at)."""
 
     now: float
 
@@ -263,9 +276,25 @@ class _Chunk:
     crc: int = 0
     length: int = 0
     requests: dict[int, int] = field(default_factory=dict)  # of the committed version only
-    pending: _Pending | None = None
     queue: collections.deque[WriteReq] = field(default_factory=collections.deque)  # head only
     fresh: bool = True  # syncing member: written by the live chain since it started syncing
+    seq: int = 0  # creation order at the member
+    dirty: dict[ChunkId, _Chunk] | None = None  # the member's index of chunks with a pending version
+    _pending: _Pending | None = None
+
+    @property
+    def pending(self) -> _Pending | None:
+        return self._pending
+
+    @pending.setter
+    def pending(self, p: _Pending | None) -> None:
+        # every change of the pending version goes through here, so the index cannot miss one
+        self._pending = p
+        if self.dirty is not None:
+            if p is None:
+                self.dirty.pop(self.cid, None)
+            else:
+                self.dirty[self.cid] = self
 
     @property
     def phase(self) -> Phase:
@@ -281,6 +310,7 @@ class _SyncJob:
     target: int
     outstanding: set[ChunkId] | None = None  # None until the successor's SyncState arrived
     sent_at: float = 0.0
+    done: bool = False  # SyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
 
 
 # ------------------------------------------------------------------------------------------- the member
@@ -295,18 +325,27 @@ class ChainMember:
         chain_id: int,
         chunks: dict[ChunkId, ChunkMeta] | None = None,
         retransmit_after: float = 0.05,
+        *,
+        retransmit_scan_every: float = 0.0,
     ) -> None:
+        """``retransmit_scan_every``: look for unacknowledged updates at most this often (0: every tick); the
+        simulator raises it to delay retransmissions, which must only ever cost time."""
         self.target_id = target_id
         self.chain_id = chain_id
         self.retransmit_after = retransmit_after
+        self.retransmit_scan_every = retransmit_scan_every
+        self._last_scan = 0.0
         self.config: ChainConfig | None = None
         self.lease_until = 0.0
         self.now = 0.0
         self._chunks: dict[ChunkId, _Chunk] = {}
+        self._dirty: dict[ChunkId, _Chunk] = {}  # chunks with a pending version (what a Tick looks at)
         self._sync: _SyncJob | None = None
         self._queries = 0
+        self._created = itertools.count()  # chunk creation order
         for cid, meta in (chunks or {}).items():
-            c = self._chunks[cid] = _Chunk(cid, meta.committed_version, meta.crc, meta.length, dict(meta.requests))
+            c = self._chunk(cid)
+            c.committed, c.crc, c.length, c.requests = meta.committed_version, meta.crc, meta.length, dict(meta.requests)
             if meta.pending_version:
                 # Kept in case this target returns as the last one serving (then it must finish the write);
                 # returning as syncing drops it. Its bytes are only in the engine: re-driven as a full chunk.
@@ -341,7 +380,8 @@ class ChainMember:
             return ServeVersion(c.committed if c else 0)
         tail = self.config.read_tail()
         if tail == self.target_id:
-            return Retry(NotCommitted("pending at new tail")) if c.pending.maybe_visible else ServeVersion(c.committed)
+            hidden = self._hidden_pending(c.pending)
+            return Retry(NotCommitted(hidden)) if hidden else ServeVersion(c.committed)
         self._queries += 1
         return AskTail(tail, VersionQuery(self.chain_id, self.chain_version, chunk_id, self.target_id, self._queries))
 
@@ -351,11 +391,20 @@ class ChainMember:
         if refusal is None and self.config.read_tail() != self.target_id:
             refusal = Retry(StaleRouting("not the read tail"))
         c = self._chunks.get(q.chunk_id) or _Chunk(q.chunk_id)
-        if refusal is None and c.pending is not None and c.pending.maybe_visible:
-            refusal = Retry(NotCommitted("pending at new tail"))
+        if refusal is None and c.pending is not None and self._hidden_pending(c.pending):
+            refusal = Retry(NotCommitted(self._hidden_pending(c.pending)))
         if refusal is not None:
             return VersionReply(self.chain_id, self.chain_version, q.chunk_id, q.query_id, errno=refusal.error.errno)
         return VersionReply(self.chain_id, self.chain_version, q.chunk_id, q.query_id, c.committed)
+
+    def _hidden_pending(self, p: _Pending) -> str:
+        """At the read tail: why a pending version may already be committed and served elsewhere, so the
+        committed one must not be served ("" if it may be served)."""
+        if p.maybe_visible:
+            return "pending at new tail"  # rule 7: an old tail may have committed and served it
+        if self._sync is not None and self._sync.done:
+            return "pending while handing the tail over"  # rule 7a: the syncing successor may already serve it
+        return ""
 
     def decide_with_tail(self, chunk_id: ChunkId, reply: VersionReply) -> ServeVersion | Retry:
         """Given the tail's answer, serve that version if this member still holds it."""
@@ -660,6 +709,7 @@ class ChainMember:
     def _sync_maybe_done(self, job: _SyncJob) -> list[Effect]:
         if job.outstanding:
             return []
+        job.done = True  # from now on mgmtd may make the successor the read tail: rule 7a
         return [ReportToMgmtd(SyncDone(self.chain_id, self.chain_version, job.target))]
 
     # --------------------------------------------------------------------------------------------- tick
@@ -670,9 +720,10 @@ class ChainMember:
             return []
         effects: list[Effect] = []
         due = now - self.retransmit_after
-        if self._successor() is not None:
-            for c in self._chunks.values():
-                if c.pending is not None and c.pending.persisted and c.pending.sent_at <= due:
+        if self._successor() is not None and now - self._last_scan >= self.retransmit_scan_every:
+            self._last_scan = now
+            for c in sorted(self._dirty.values(), key=lambda c: c.seq):  # O(in flight), deterministic order
+                if c.pending.persisted and c.pending.sent_at <= due:
                     effects += self._forward(c)
         job = self._sync
         if job is not None and job.sent_at <= due:
@@ -688,7 +739,7 @@ class ChainMember:
     def _chunk(self, cid: ChunkId) -> _Chunk:
         c = self._chunks.get(cid)
         if c is None:
-            c = self._chunks[cid] = _Chunk(cid)
+            c = self._chunks[cid] = _Chunk(cid, seq=next(self._created), dirty=self._dirty)
         return c
 
     def _write_chain(self) -> list[int]:

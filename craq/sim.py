@@ -102,6 +102,7 @@ class SimConfig:
     tick_every: float = 0.01
     client_timeout: float = 0.15
     give_up_after: float = 1.2
+    retransmit_scan_every: float = 0.0  # members look for unacknowledged updates this often (0: every tick)
 
 
 @dataclass
@@ -117,8 +118,9 @@ class SimResult:
 
 
 class _Node:
-    def __init__(self, node_id: int, targets: dict[int, int]) -> None:
+    def __init__(self, node_id: int, targets: dict[int, int], scan_every: float = 0.0) -> None:
         self.node_id = node_id
+        self.scan_every = scan_every
         self.targets = targets  # target id -> chain id
         self.engines = {t: MemEngine() for t in targets}
         self.incarnation = 1
@@ -129,7 +131,8 @@ class _Node:
         self.boot()
 
     def boot(self) -> None:
-        self.members = {t: ChainMember(t, c, self.engines[t].meta()) for t, c in self.targets.items()}
+        self.members = {t: ChainMember(t, c, self.engines[t].meta(), retransmit_scan_every=self.scan_every)
+                        for t, c in self.targets.items()}
         self.reads.clear()
 
 
@@ -149,7 +152,8 @@ class Sim:
         self.mgr.create_chains(chosen, cfg.replicas)
         chain_of = {t.target_id: c.chain_id for c in self.mgr.routing().chains for t in c.targets}
         self.nodes = {
-            n: _Node(n, {t: chain_of[t] for t, node in chosen if node == n}) for n in range(1, cfg.nodes + 1)
+            n: _Node(n, {t: chain_of[t] for t, node in chosen if node == n}, cfg.retransmit_scan_every)
+            for n in range(1, cfg.nodes + 1)
         }
         self.chunk_ids = [ChunkId(1, i) for i in range(cfg.chunks)]
         self.history: dict[tuple[ChunkId, int], list[Op]] = {(c, s): [] for c in self.chunk_ids for s in range(SLOTS)}

@@ -350,3 +350,71 @@ def test_a_replica_that_cannot_store_a_write_fails_it_everywhere():
     chain.deliver_all()
     assert chain.replies[-1].errno == 0 and chain.replies[-1].version == 1
     assert all(m.chunk_versions(CID) == (1, None) for m in chain.members.values())
+
+
+@pytest.mark.parametrize("write_starts", ["after_sync_done", "before_sync_done"])
+def test_tail_handing_over_to_a_synced_successor_stops_serving_dirty_chunks(write_starts):
+    """Regression (sim seed 1318 with a coarse retransmit scan): a read tail that reported SyncDone must not
+    serve its committed version of a dirty chunk. The syncing successor (end of the write chain) commits the
+    write first; mgmtd makes it serving, the new read tail, at once; the old tail has not heard yet (heartbeat
+    reply in flight, or cut off from mgmtd with a valid lease) and would un-see what the new tail serves."""
+    other = ChunkId(7, 1)
+    chain = Chain(config(1, (1, S), (2, S), (3, O)))
+    chain.run(1, chain.members[1].handle(WriteReq(1, 1, other, 9, 1, 0, crc32c(b"o"), b"o")))
+    chain.deliver_all()  # `other` is committed at 1 and 2 only: the resync must copy it to 3
+
+    def deliver(match) -> None:
+        i = next(i for i, (t, m) in enumerate(chain.outbox) if match(t, m))
+        target, msg = chain.outbox.pop(i)
+        chain.run(target, chain.members[target].handle(msg))
+
+    def is_chunk(cid):
+        return lambda t, m: getattr(m, "chunk_id", None) == cid
+
+    chain.reconfigure(config(2, (1, S), (2, S), (3, Y)))  # 3 returns syncing; 2 (read tail) asks for its list
+    deliver(lambda t, m: isinstance(m, SyncQuery))
+    deliver(lambda t, m: isinstance(m, SyncState))  # 2 sends the copy of `other`
+    if write_starts == "after_sync_done":
+        chain.deliver_all()
+        assert chain.mgmtd == [SyncDone(1, 2, 3)]
+    chain.run(1, chain.members[1].handle(write(b"a", version=2)))
+    while chain.members[3].chunk_versions(CID) != (1, None):  # the write reaches 3, which commits first
+        deliver(is_chunk(CID))
+    ((_, held),) = [(t, m) for t, m in chain.outbox if is_chunk(CID)(t, m)]
+    chain.outbox.remove((2, held))  # 3's ack to 2 is slow
+    chain.deliver_all()  # (before_sync_done: the copy of `other` is acked now, with the write still in flight)
+    assert chain.mgmtd == [SyncDone(1, 2, 3)] and chain.members[2].chunk_versions(CID) == (0, 1)
+
+    promoted = config(3, (1, S), (2, S), (3, S))  # mgmtd acts on SyncDone; 2 has not heard yet
+    chain.reconfigure(promoted, 3)
+    assert chain.members[3].read_decision(CID, 3) == ServeVersion(1)  # the new read tail serves v1 ...
+    old_tail, head = chain.members[2], chain.members[1]
+    decision = old_tail.read_decision(CID, 2)  # ... so the old one must not serve v0 under chain version 2
+    assert isinstance(decision, Retry) and decision.error.errno == errno.EAGAIN
+    ask = head.read_decision(CID, 2)  # nor tell a dirty member at chain version 2 that v0 is committed
+    assert isinstance(ask, AskTail) and ask.target == 2
+    assert old_tail.answer_version_query(ask.query).errno == errno.EAGAIN
+    assert old_tail.read_decision(other, 2) == ServeVersion(1)  # clean chunks are still served
+
+    chain.run(2, old_tail.handle(held))  # the ack arrives: committed at 2, served again
+    assert old_tail.read_decision(CID, 2) == ServeVersion(1)
+    chain.reconfigure(promoted, 1, 2)
+    chain.deliver_all()
+    assert [m.chunk_versions(CID) for m in chain.members.values()] == [(1, None)] * 3
+    assert chain.replies[-1].errno == 0 and chain.replies[-1].version == 1
+
+
+def test_tick_looks_only_at_chunks_with_a_pending_version():
+    chain = Chain(config(1, (1, S), (2, S)))
+    head = chain.members[1]
+    for i in range(50):
+        chain.run(1, head.handle(WriteReq(1, 1, ChunkId(8, i), 9, i + 1, 0, crc32c(b"x"), b"x")))
+    chain.deliver_all()
+    chain.run(1, head.handle(write(b"a")))
+    chain.outbox.clear()  # lost
+    assert list(head._dirty) == [CID]  # the index holds the one chunk in flight, not the 51 the member knows
+    (resend,) = head.handle(Tick(1.0))
+    assert isinstance(resend, Send) and resend.msg.chunk_id == CID
+    chain.run(1, [resend])
+    chain.deliver_all()
+    assert not head._dirty and head.handle(Tick(2.0)) == []
