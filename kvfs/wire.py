@@ -150,7 +150,11 @@ def check_tag(signer: Signer, raw_header: bytes | memoryview, header: Header, bo
 
 @dataclass(frozen=True, slots=True)
 class Method:
-    """One RPC: a stable numeric id, typed request/response bodies, and whether blind retry is safe."""
+    """One RPC: a stable numeric id, typed request/response bodies, and whether blind retry is safe.
+
+    Ids are allocated by component and never reused: 100-199 ``meta`` (derived from MetaStore, see meta/rpc.py),
+    200-299 ``mgmtd`` (craq/mgmtd.py), 300-399 chunk server (chunkserver/protocol.py), 7000-7099 transport
+    handshakes (kvfs/transport), 9000-9999 tests and benchmarks. A clash raises at import."""
 
     id: int
     name: str
