@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import prometheus_client
 import trio
 from crc32c import crc32c
 
@@ -54,6 +55,9 @@ from kvfs.wire import Empty
 
 log = logging.getLogger("kvfs.chunkserver")
 
+RESYNC_LEFT = prometheus_client.Gauge(
+    "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
+)
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
 
 
@@ -167,12 +171,23 @@ class ChunkServer:
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock())
+                hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock(), self.resync_progress())
                 reply = await self.mgmtd.call(HEARTBEAT, hb, timeout=self.heartbeat_interval * 2)
                 self._apply_routing(reply.routing, reply.lease_until)
             except KvfsError as exc:
                 log.warning("heartbeat failed: %s", exc.message)
             await trio.sleep(self.heartbeat_interval)
+
+    def resync_progress(self) -> dict[int, tuple[int, int]]:
+        """Resyncs this server drives: syncing target -> (chunks left, chunks in all); also a Prometheus gauge."""
+        progress = {}
+        for member in self.members.values():
+            state = member.sync_progress()
+            if state is not None:
+                target, left, total = state
+                progress[target] = (left, total)
+                RESYNC_LEFT.labels(str(target)).set(left)
+        return progress
 
     def _apply_routing(self, routing: RoutingSnapshot, lease_until: float) -> None:
         self.routing = routing

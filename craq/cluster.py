@@ -45,6 +45,8 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     incarnation: int
     address: str
     sent_at: float  # the node's clock; the lease counts from here
+    #: resyncs this node drives: syncing target id -> (chunks still to copy, chunks to copy in all; -1 unknown)
+    resync: dict[int, tuple[int, int]] = {}
 
 
 class RoutingSnapshot(msgspec.Struct, frozen=True, tag=True):

@@ -311,6 +311,7 @@ class _SyncJob:
     outstanding: set[ChunkId] | None = None  # None until the successor's SyncState arrived
     sent_at: float = 0.0
     done: bool = False  # SyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
+    total: int = 0  # chunks found to differ, for progress reports
 
 
 # ------------------------------------------------------------------------------------------- the member
@@ -369,6 +370,17 @@ class ChainMember:
         if c is None:
             return (0, None)
         return (c.committed, c.pending.update.version if c.pending else None)
+
+    def sync_progress(self) -> tuple[int, int, int] | None:
+        """(successor, chunks still to copy, chunks to copy in all) of the resync this member drives, or None.
+
+        Before the successor has listed its chunks the total is unknown and reported as (successor, -1, -1)."""
+        job = self._sync
+        if job is None:
+            return None
+        if job.outstanding is None:
+            return (job.target, -1, -1)
+        return (job.target, len(job.outstanding), job.total)
 
     def read_decision(self, chunk_id: ChunkId, chain_version: int) -> ReadDecision:
         """How to answer a client read of ``chunk_id``; changes no replication state."""
@@ -683,8 +695,10 @@ class ChainMember:
             return []  # duplicate answer to a retransmitted query
         theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
         job.outstanding = set()
-        return self._sync_send(job, [cid for cid, c in self._chunks.items()
-                                     if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)])
+        differing = [cid for cid, c in self._chunks.items()
+                     if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)]
+        job.total = len(differing)
+        return self._sync_send(job, differing)
 
     def _sync_send(self, job: _SyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
         """Copy clean chunks whole; a dirty one is covered by its pending write's full-chunk forward."""

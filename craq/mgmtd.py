@@ -75,6 +75,8 @@ class ClusterStatus(msgspec.Struct):
     primary: str
     nodes: list[NodeStatus]
     routing: RoutingSnapshot
+    #: syncing target id -> (chunks still to copy, chunks to copy in all; -1 before the count is known)
+    resync: dict[int, tuple[int, int]] = {}
 
 
 REGISTER = Method(200, "mgmtd.register", RegisterNode, Empty)
@@ -112,6 +114,7 @@ class MgmtdService:
         self.clock = clock
         self.manager: ClusterManager | None = None  # set while primary
         self.node_targets: dict[int, list[int]] = {}
+        self.resync: dict[int, tuple[int, int]] = {}  # as last reported in heartbeats; in memory only
         self.primary_address = ""
         for method, handler in (
             (REGISTER, self._register),
@@ -222,6 +225,7 @@ class MgmtdService:
     async def _heartbeat(self, hb: Heartbeat) -> HeartbeatReply:
         assert self.manager is not None
         known = self.manager.state.nodes.get(hb.node_id)
+        self.resync.update(hb.resync)
         reply, changed = self.manager.heartbeat(hb, self.clock())
         if changed or known is None or known.address != hb.address:
             await self._persist()
@@ -265,7 +269,9 @@ class MgmtdService:
             NodeStatus(n.node_id, n.address, n.alive, now - n.last_heartbeat, self.node_targets.get(n.node_id, []))
             for n in sorted(self.manager.state.nodes.values(), key=lambda n: n.node_id)
         ]
-        return ClusterStatus(self.address, nodes, self.manager.routing())
+        routing = self.manager.routing()
+        syncing = {t.target_id for c in routing.chains for t in c.targets if t.state.value == "syncing"}
+        return ClusterStatus(self.address, nodes, routing, {t: p for t, p in self.resync.items() if t in syncing})
 
 
 class MgmtdClient:

@@ -276,10 +276,13 @@ class LocalCluster:
                 "targets": [t.target_id for t in chain.targets],
             })
             for t in chain.targets:
-                report["targets"].append({
+                target = {
                     "target_id": t.target_id, "node_id": t.node_id, "host": addresses.get(t.node_id, "?"),
                     "chain_id": chain.chain_id, "state": t.state.value,
-                })
+                }
+                if t.target_id in cluster.resync:
+                    target["resync_left"], target["resync_total"] = cluster.resync[t.target_id]
+                report["targets"].append(target)
         return report
 
     @staticmethod
@@ -314,7 +317,11 @@ def format_status(report: dict[str, Any]) -> str:
     for column in ("target", "node", "host", "chain", "state"):
         targets.add_column(column)
     for t in report["targets"]:
-        targets.add_row(str(t["target_id"]), str(t["node_id"]), t["host"], str(t["chain_id"]), t["state"])
+        state = t["state"]
+        if "resync_left" in t:
+            left, total = t["resync_left"], t["resync_total"]
+            state += " (counting chunks)" if total < 0 else f" ({total - left}/{total} chunks copied)"
+        targets.add_row(str(t["target_id"]), str(t["node_id"]), t["host"], str(t["chain_id"]), state)
     console.print(targets)
     chains = Table(title="chains")
     for column in ("chain", "version", "targets (chain order)"):

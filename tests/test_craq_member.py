@@ -262,9 +262,14 @@ def test_resync_copies_differing_chunks_then_reports_done():
     syncing = config(3, (1, S), (2, Y))
     effects = chain.members[1].handle(Configure(syncing, 100.0))
     assert effects == [Send(2, SyncQuery(1, 3, 1))]
+    assert chain.members[1].sync_progress() == (2, -1, -1)  # visible before the successor counted its chunks
     chain.run(1, effects)
     chain.run(2, chain.members[2].handle(Configure(syncing, 100.0)))
+    chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))  # the query; its answer is now in the outbox
+    chain.run(1, chain.members[1].handle(chain.outbox.pop(0)[1]))  # the answer: one chunk differs, copy sent
+    assert chain.members[1].sync_progress() == (2, 1, 1)
     chain.deliver_all()
+    assert chain.members[1].sync_progress() == (2, 0, 1)
     assert chain.mgmtd == [SyncDone(1, 3, 2)]
     assert chain.engines[2].committed[CID].data == b"b" and chain.members[2].chunk_versions(CID) == (2, None)
     assert isinstance(chain.members[2].read_decision(CID, 3), Retry)  # syncing targets do not serve reads
