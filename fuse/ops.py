@@ -31,7 +31,6 @@ from meta.types import Attr, Caller, Layout, Opened
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-_NOW_WINDOW_NS = 2_000_000_000  # see setattr: pyfuse3 turns UTIME_NOW into a timestamp
 
 
 def _fuse_errors(fn):
@@ -225,17 +224,12 @@ class KvfsOperations(pyfuse3.Operations):
             kw["uid"] = attr.st_uid
         if fields.update_gid:
             kw["gid"] = attr.st_gid
-        if fields.update_atime or fields.update_mtime:
-            # pyfuse3 replaces UTIME_NOW by the current time before we see it, and meta needs to know
-            # (setting "now" only needs write access, explicit times need ownership): a time within
-            # a moment of our clock is taken as "now".
-            now = time.time_ns()
-            for name, want, value in (("atime", fields.update_atime, attr.st_atime_ns),
-                                      ("mtime", fields.update_mtime, attr.st_mtime_ns)):
-                if want:
-                    kw[name] = "now" if abs(now - value) < _NOW_WINDOW_NS else value
-        old = new_size = None
         st = self._inodes.get(inode)
+        if fields.update_atime or fields.update_mtime:
+            if st is not None:  # buffered writes land first, so their mtime update cannot undo an explicit time
+                await self._flush_inode(st)
+            kw.update(await self._times(caller, inode, attr, fields))
+        old = new_size = None
         if fields.update_size:
             new_size = attr.st_size
             if st is not None:
@@ -254,6 +248,21 @@ class KvfsOperations(pyfuse3.Operations):
                 layout = st.layout if st is not None else await self._layout(caller, inode)
                 await self.storage.truncate(inode, layout, old, new_size)
         return self._entry(result)
+
+    async def _times(self, caller: Caller, inode: int, attr: Any, fields: Any) -> dict[str, Any]:
+        """The atime/mtime values for meta's setattr.
+
+        pyfuse3 turns UTIME_NOW into the current time before we see it, but meta must know ("now" needs write
+        access, explicit times need ownership). With ``default_permissions`` the kernel has already refused
+        explicit times from anyone but the owner and root, so from them the value is sent as given, and from
+        anyone else it can only have been UTIME_NOW."""
+        owner_or_root = caller.uid == 0 or caller.uid == (await self.meta.getattr(caller, inode)).uid
+        times = {}
+        for name, want, value in (("atime", fields.update_atime, attr.st_atime_ns),
+                                  ("mtime", fields.update_mtime, attr.st_mtime_ns)):
+            if want:
+                times[name] = value if owner_or_root else "now"
+        return times
 
     @_fuse_errors
     async def mknod(self, parent_inode, name, mode, rdev, ctx):

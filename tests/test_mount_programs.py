@@ -171,9 +171,6 @@ def test_tarball_unpacked_on_the_mount_matches_local_disk(mnt_dir, local_dir):
     run("diff", "-r", "--no-dereference", str(local_dir / "unpacked"), str(again))
 
 
-@pytest.mark.xfail(strict=True, reason="fuse/ops.py: futimens() on a file with buffered writes sets the time, then "
-                   "close flushes the buffer and meta's report_length sets mtime to now, so the explicit time is "
-                   "lost; GNU tar (and cp -p, rsync -t) set times this way: every file tar unpacks gets the wrong mtime")
 def test_mtime_set_before_close_survives_close(mnt_dir):
     p = mnt_dir / "f"
     fd = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)
@@ -184,10 +181,6 @@ def test_mtime_set_before_close_survives_close(mnt_dir):
     assert os.stat(p).st_mtime_ns == 10**12
 
 
-@pytest.mark.xfail(strict=True, reason="fuse/ops.py setattr: a time within 2 s of the daemon's clock is sent to meta "
-                   "as 'now' (_NOW_WINDOW_NS, to recover UTIME_NOW, which pyfuse3 turns into a timestamp), so an "
-                   "explicit mtime of a second ago, e.g. tar or cp -p copying a file just written, is replaced by "
-                   "the current time")
 def test_explicit_times_near_now_are_kept_exactly(mnt_dir):
     p = mnt_dir / "f"
     p.write_bytes(b"x")
