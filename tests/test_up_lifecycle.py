@@ -6,11 +6,14 @@ restart of killed processes); ``down`` gets a cluster of its own.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import signal
 import stat
+import subprocess
 import time
 import tomllib
 
@@ -172,6 +175,32 @@ def test_up_restarts_only_a_killed_chunk_server_and_keeps_data(cluster):
     assert all(t["state"] == "serving" for t in report["targets"])  # up waits for cs2 to sync back
     check_files(root, expected)
     assert (root / "while-down").read_bytes() == b"written with cs2 down"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signalled_mount_daemon_flushes_unmounts_and_up_mounts_again(cluster, sig):
+    c = cluster
+    fd = os.open(c.mount / f"buffered-{sig}", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"still in the daemon's write buffer")
+    pid = c.kill("mount", sig)  # the open file keeps the mount busy: the daemon must cope
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    assert not is_mounted(c.mount) and not process_alive(pid)
+    r = c.up()
+    assert "mounted kvfs" in r.stdout and started_names(r.stdout) == set()
+    assert (c.mount / f"buffered-{sig}").read_bytes() == b"still in the daemon's write buffer"
+
+
+def test_fusermount_clears_a_killed_daemons_mount_and_up_mounts_again(cluster):
+    c = cluster
+    (c.mount / "survivor").write_bytes(b"on the chunk servers")
+    c.kill("mount")
+    assert is_mounted(c.mount)
+    subprocess.run(["fusermount3", "-u", str(c.mount)], check=True, capture_output=True)
+    assert not is_mounted(c.mount)
+    r = c.up()
+    assert "mounted kvfs" in r.stdout and started_names(r.stdout) == set()
+    assert (c.mount / "survivor").read_bytes() == b"on the chunk servers"
 
 
 def started_names(stdout: str) -> set[str]:
