@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
-from cluster_fixtures import NEEDS_FUSE  # noqa: E402
+from cluster_fixtures import NEEDS_FUSE, wait_until  # noqa: E402
 from fuse_harness import run_as  # noqa: E402
 
 import test_fuse_io as io_suite  # noqa: E402
@@ -551,3 +551,18 @@ def test_attribute_changes_show_at_once_through_the_mount(d):
     t = time.time()
     os.utime(d / "f", (t - 100, t - 100))
     assert abs(os.stat(d / "f").st_mtime - (t - 100)) < 1
+
+
+def test_large_reads_are_set_up_on_the_real_mount(kvfs_cluster):
+    """1 MiB requests need readahead of at least 1 MiB; the daemon raises the bdi's to 4 MiB after INIT."""
+    target = str(kvfs_cluster.mount)
+    with open("/proc/self/mountinfo") as f:
+        (line,) = [ln for ln in f if ln.split()[4] == target]
+    fields = line.split()
+    assert fields[fields.index("-") + 1] == "fuse.kvfs"
+    assert "allow_other" in line and "default_permissions" in line
+    read_ahead = Path(f"/sys/class/bdi/{fields[2]}/read_ahead_kb")
+    if not read_ahead.exists():
+        pytest.skip("no /sys/class/bdi here")
+    # raised in the background a moment after INIT, so possibly just after kvfs up returned
+    wait_until(lambda: int(read_ahead.read_text()) >= 1024, 10, "read_ahead_kb to be raised")
