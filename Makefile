@@ -3,7 +3,7 @@ VENV   ?= .venv
 PYTHON ?= python3
 DATA   ?= .kvfs
 MOUNT  ?= mnt
-DEB_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv
+DEB_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 

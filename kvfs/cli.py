@@ -111,7 +111,7 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
 
 @main.command("up")
 @click.option("--data", type=click.Path(file_okay=False), required=True, help="Directory for config, logs and data.")
-@click.option("--mount", "mountpoint", type=click.Path(file_okay=False), required=True, help="Where to mount.")
+@click.option("--mount", "mountpoint", required=True, help="Where to mount (created if missing).")
 @click.option("--chunkservers", default=3, show_default=True, type=click.IntRange(1, 64))
 @click.option("--replicas", default=3, show_default=True, type=click.IntRange(1, 16))
 def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int) -> None:

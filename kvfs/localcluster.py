@@ -54,6 +54,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _absolute(mount: Path) -> str:
+    """The mount point as an absolute path, without touching it: stat-ing a live kvfs mount blocks while its
+    metadata service is down, which is exactly when ``kvfs up`` is needed."""
+    return os.path.abspath(mount)
+
+
 def _process_exists(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
     with contextlib.suppress(ChildProcessError):
@@ -86,8 +92,8 @@ class LocalCluster:
         if self.layout_path.exists():
             layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
             config = load_config(self.config_path)
-            if str(mount.resolve()) != layout.mount:
-                layout.mount = str(mount.resolve())
+            if _absolute(mount) != layout.mount:
+                layout.mount = _absolute(mount)
                 self.layout_path.write_bytes(msgspec.json.encode(layout))
             return config, layout
         if not 1 <= replicas <= chunkservers:
@@ -100,7 +106,7 @@ class LocalCluster:
             meta=f"127.0.0.1:{_free_port()}",
             chunkservers={i: f"127.0.0.1:{_free_port()}" for i in range(1, chunkservers + 1)},
             replicas=replicas,
-            mount=str(mount.resolve()),
+            mount=_absolute(mount),
         )
         config = ClusterConfig(
             token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
@@ -170,7 +176,8 @@ class LocalCluster:
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails
-        Path(layout.mount).mkdir(parents=True, exist_ok=True)
+        if not is_mounted(layout.mount):  # never stat a live mount: with meta down its daemon cannot answer
+            Path(layout.mount).mkdir(parents=True, exist_ok=True)
         for proc in self.processes(layout):
             if proc.role == "mount":
                 self._ensure_chains(config, layout, echo)

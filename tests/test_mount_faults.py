@@ -190,9 +190,6 @@ def test_meta_restarts_during_a_metadata_loop():
 
 
 
-@pytest.mark.xfail(strict=True, reason="kvfs/localcluster.py LocalCluster.up: Path(layout.mount).mkdir(exist_ok=True) "
-                   "stats the mount point before starting anything; with meta down the mount's getattr waits for "
-                   "meta, then fails (EHOSTUNREACH), so kvfs up crashes and never restarts meta")
 def test_up_restarts_meta_stopped_under_a_live_mount():
     with started("kvfs-fault-up-meta-") as c:
         (c.mount / "f").write_bytes(b"before")
