@@ -286,6 +286,8 @@ class ChunkServer:
                     await queue[0]()
                 except KvfsError as exc:
                     log.error("target %s chunk %s: %s", key[0], key[1], exc.message)
+                except Exception:  # one chunk's failure must not stop the server's other work
+                    log.exception("target %s chunk %s: effect failed", key[0], key[1])
                 queue.popleft()
         finally:
             del self._chunk_queues[key]

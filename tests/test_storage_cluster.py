@@ -20,13 +20,15 @@ LAYOUT = Layout(chunk_size=1 << 20, stripe=4, seed=7)
 
 
 async def wait_all_serving(mgmtd: MgmtdClient, chains: int, timeout: float = 20.0):
-    with trio.fail_after(timeout):
+    status = None
+    with trio.move_on_after(timeout):
         while True:
             status = await mgmtd.call(STATUS, Empty())
             states = [t.state for c in status.routing.chains for t in c.targets]
             if len(status.routing.chains) == chains and all(s is TargetState.SERVING for s in states):
                 return status
             await trio.sleep(0.1)
+    raise AssertionError(f"targets not all serving after {timeout}s: {status}")
 
 
 async def start_cluster(processes, tmp_path, **config) -> Cluster:
@@ -115,7 +117,11 @@ async def test_kill_chunkserver_during_writes_then_resync(cluster, processes, tm
             await trio.sleep(1.0)
             stop.set()
         assert during_outage > 0
-        await wait_all_serving(mgmtd, 1, timeout=30)  # the returning target resynced and serves again
+        try:  # the returning target resynced and serves again
+            await wait_all_serving(mgmtd, 1, timeout=60)
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {name}\n{processes.log(name)[-3000:]}" for name in ("mgmtd0", "cs1", "cs2", "cs3"))
+            raise AssertionError(f"{exc}\n{logs}") from None
 
         for (ino, offset), data in acked.items():
             out = bytearray(len(data))
