@@ -12,13 +12,12 @@ once. One write per chunk is in flight at a time from one client (the CRAQ head 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import logging
 import random
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -28,6 +27,7 @@ from chunkserver import protocol as p
 from craq.cluster import RoutingSnapshot
 from craq.messages import ChainConfig, ChunkId, TargetState, WriteReq
 from craq.mgmtd import MgmtdClient
+from kvfs.aio import one_error
 from kvfs.errors import ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs.storage import Buffer, LayoutLike
@@ -39,21 +39,6 @@ log = logging.getLogger("kvfs.storage")
 #: Failures after which the same operation may succeed elsewhere or a little later.
 _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
-
-
-@contextlib.asynccontextmanager
-async def _one_error() -> AsyncIterator[None]:
-    """Parallel pieces of one call fail as the call: raise the first kvfs error, not trio's exception group."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        matched, _ = group.split(KvfsError)
-        if matched is None:
-            raise
-        first: BaseException = matched
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from group
 
 
 def split_range(offset: int, length: int, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -155,7 +140,7 @@ class StorageClient:
             index, within, at = pieces[0]
             await self._write_chunk(ino, layout, index, within, view)
             return
-        async with _one_error(), trio.open_nursery() as nursery:
+        async with one_error(), trio.open_nursery() as nursery:
             for index, within, at in pieces:
                 piece = view[at : at + layout.chunk_size - within]
                 nursery.start_soon(self._bounded, self._write_chunk, ino, layout, index, within, piece)
@@ -195,7 +180,7 @@ class StorageClient:
             index, within, at = pieces[0]
             await self._read_chunk(ino, layout, index, within, into)
             return len(into)
-        async with _one_error(), trio.open_nursery() as nursery:
+        async with one_error(), trio.open_nursery() as nursery:
             for index, within, at in pieces:
                 piece = into[at : at + layout.chunk_size - within]
                 nursery.start_soon(self._bounded, self._read_chunk, ino, layout, index, within, piece)
@@ -231,7 +216,7 @@ class StorageClient:
         async def one(address: str) -> None:
             results.append(await self.rpc.call(address, method, request, timeout=self._call_timeout))
 
-        async with _one_error(), trio.open_nursery() as nursery:
+        async with one_error(), trio.open_nursery() as nursery:
             for address in sorted(set(routing.addresses.values())):
                 nursery.start_soon(one, address)
         return results

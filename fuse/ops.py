@@ -26,6 +26,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from kvfs.aio import one_error
 from meta.types import Attr, Caller, Layout, Opened
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
+        self._closing = 0  # write sessions being ended in the background
+        self._closed = trio.Event()
 
     def init(self) -> None:
         """Called (synchronously, in the trio thread) when the kernel's INIT arrives."""
@@ -606,32 +609,44 @@ class KvfsOperations(pyfuse3.Operations):
             if not st.handles:
                 self._inodes.pop(st.ino, None)
             if h.session is not None:
-                await self.meta.close(h.caller, st.ino, h.session, st.size)
+                self._close_in_background(h.caller, st.ino, h.session, st.size)
+
+    def _close_in_background(self, caller: Caller, ino: int, session: int, size: int) -> None:
+        """End a write session without making close(2) wait: the kernel ignores release's answer anyway, the
+        length meta needs was reported when the buffers were flushed, and one round trip fewer per file is a
+        large share of a small file's cost. Orderly unmounts wait for these (``flush_all``)."""
+        if self.nursery is None:
+            raise RuntimeError("KvfsOperations used outside run_mount")
+        self._closing += 1
+        self.nursery.start_soon(self._close_session, caller, ino, session, size)
+
+    async def _close_session(self, caller: Caller, ino: int, session: int, size: int) -> None:
+        try:
+            await self.meta.close(caller, ino, session, size)
+        except Exception:
+            log.exception("closing the write session of inode %d", ino)
+        finally:
+            self._closing -= 1
+            if not self._closing:
+                self._closed.set()
+                self._closed = trio.Event()
 
     async def flush_all(self) -> None:
-        """Write out every buffer (before an orderly unmount)."""
+        """Write out every buffer and end every write session (before an orderly unmount)."""
         for st in list(self._inodes.values()):
             try:
                 await self._flush_inode(st)
             except Exception:
                 log.exception("flushing inode %d before unmount", st.ino)
+        while self._closing:
+            await self._closed.wait()
 
 
 async def _parallel(fn, pieces) -> None:
-    """Run ``fn(*piece)`` for every piece concurrently; a failure comes out as the plain exception
-    (its errno intact), not as the ExceptionGroup a nursery raises."""
-    try:
-        async with trio.open_nursery() as nursery:
-            for piece in pieces:
-                nursery.start_soon(fn, *piece)
-    except BaseExceptionGroup as group:
-        _, rest = group.split(trio.Cancelled)
-        if rest is None:
-            raise
-        leaf = rest
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        raise leaf from group
+    """Run ``fn(*piece)`` for every piece concurrently; a failure comes out as the plain exception."""
+    async with one_error(), trio.open_nursery() as nursery:
+        for piece in pieces:
+            nursery.start_soon(fn, *piece)
 
 
 def _chunk_pieces(chunk_size: int, offset: int, length: int):
