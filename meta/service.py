@@ -1,9 +1,10 @@
 """``kvfs meta``: the stateless metadata service.
 
 Everything it knows lives in the KV store, so any number of instances can serve the same cluster and any
-instance can answer any client. Each call runs one store operation (one KV transaction) in a worker thread:
-the KV engines block (SQLite locks, FoundationDB futures), and a thread hop (~100 us) is cheap next to a
-transaction.
+instance can answer any client. Each call runs one store operation (one KV transaction). Writes run in a worker
+thread, since the engines block (SQLite's write lock, FoundationDB's futures); reads run on the event loop when
+the engine answers them locally without waiting (SQLite in WAL mode), which doubles the rate of stat-like calls
+over the thread round trip.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import trio
 
 from kvfs.rpc import CallContext, RpcServer
-from meta.rpc import OPS, Operation
+from meta.rpc import OPS, READ_ONLY, Operation
 from meta.store import MetaStore
 
 log = logging.getLogger("kvfs.meta")
@@ -34,8 +35,10 @@ class MetaService:
     async def _handle(self, op: Operation, request: Any, data: memoryview | None, ctx: CallContext) -> Any:
         fn = getattr(self.store, op.name)
         args = {name: getattr(request, name) for name in op.params}
-        value = await trio.to_thread.run_sync(functools.partial(fn, request.caller, **args))
-        return op.method.response(value)
+        call = functools.partial(fn, request.caller, **args)
+        if op.name in READ_ONLY and self.store.db.local_reads:
+            return op.method.response(call())  # a thread round trip would cost more than the read
+        return op.method.response(await trio.to_thread.run_sync(call))
 
     async def run_gc(self) -> None:
         """Delete the chunks of removed files in the background, forever."""

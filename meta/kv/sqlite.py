@@ -38,6 +38,8 @@ _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) W
 class SqliteDatabase(Database):
     """The embedded default engine; several processes may open the same file."""
 
+    local_reads = True  # WAL: readers see a snapshot and never wait for writers
+
     def __init__(
         self,
         path: str,
