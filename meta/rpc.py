@@ -53,10 +53,6 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("access", True),
 )
 METHOD_BASE = 100
-#: Operations that only read: they may run on the service's event loop when the engine's reads never wait.
-READ_ONLY = frozenset(
-    {"lookup", "getattr", "readlink", "readdir", "statfs", "getxattr", "listxattr", "get_layout", "resolve", "access"}
-)
 
 
 @dataclass(frozen=True, slots=True)

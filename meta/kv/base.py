@@ -71,10 +71,10 @@ class Transaction(abc.ABC):
 class Database(abc.ABC):
     """A KV store handle; thread-safe, shareable by all the threads of a process."""
 
-    #: True when a read-only transaction is answered from local storage without waiting for writers, so a
-    #: service may run it on its event loop instead of paying a worker-thread round trip (SQLite in WAL mode);
-    #: False when reads wait on the network (FoundationDB).
-    local_reads: bool = False
+    #: True when a transaction is a short local operation (SQLite: a read never waits, a write waits at most for
+    #: another process's short write), so a service may run it on its event loop instead of paying a
+    #: worker-thread round trip; False when transactions wait on the network (FoundationDB).
+    inline: bool = False
 
     @abc.abstractmethod
     def create_transaction(self) -> Transaction: ...

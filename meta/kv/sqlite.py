@@ -38,7 +38,7 @@ _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) W
 class SqliteDatabase(Database):
     """The embedded default engine; several processes may open the same file."""
 
-    local_reads = True  # WAL: readers see a snapshot and never wait for writers
+    inline = True  # WAL: readers never wait; a writer waits only while another process commits
 
     def __init__(
         self,
