@@ -382,9 +382,12 @@ class ChunkServer:
             except KvfsError as exc:
                 results[i] = p.ReadResult(exc.errno or errno.EIO, exc.message)
 
-        async with trio.open_nursery() as nursery:
-            for i, r in enumerate(batch.reads):
-                nursery.start_soon(one, i, r)
+        if len(batch.reads) == 1:  # the common case: no task to spawn
+            await one(0, batch.reads[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for i, r in enumerate(batch.reads):
+                    nursery.start_soon(one, i, r)
         return p.ReadBatchResult(results), [b for b in buffers if len(b)]
 
     async def _read_one(self, r: p.ReadRange) -> tuple[int, memoryview | bytes]:
