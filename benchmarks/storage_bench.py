@@ -80,6 +80,7 @@ def disk_write_rate(directory: Path, chunk_size: int, total: int = 128 << 20) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib-per-stream", type=int, default=64)
+    parser.add_argument("--targets-per-server", type=int, default=1, help="storage targets (chains) per server")
     parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True,
                         help="chunk servers fsync every write (the durable default)")
     args = parser.parse_args()
@@ -90,7 +91,7 @@ def main() -> None:
     pump_port = queue.get(timeout=30)
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
         cluster = LocalCluster(Path(tmp) / "cluster")
-        cluster._init(Path(tmp) / "mnt", 3, 3)
+        cluster._init(Path(tmp) / "mnt", 3, 3, args.targets_per_server)
         config = load_config(cluster.config_path)
         config.chunkserver.fsync = args.fsync
         save_config(config, cluster.config_path)
@@ -106,7 +107,8 @@ def main() -> None:
         finally:
             cluster.down(echo=lambda *a: None)
             pump.terminate()
-    print(f"replication 3, fsync={'on' if args.fsync else 'off'}, {args.mib_per_stream} MiB per stream")
+    print(f"replication 3, {args.targets_per_server} target(s) per server, fsync={'on' if args.fsync else 'off'},"
+          f" {args.mib_per_stream} MiB per stream")
     print(f"{'chunk':>6} {'streams':>7} {'write GB/s':>11} {'read GB/s':>10} {'socket pump GB/s':>17}"
           f" {'write/pump':>11} {'read/pump':>10} {'disk fsync/3 GB/s':>18} {'write/(disk/3)':>15}")
     for chunk_size, streams, write, read, ceiling, disk3 in rows:

@@ -114,14 +114,17 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
 @click.option("--mount", "mountpoint", required=True, help="Where to mount (created if missing).")
 @click.option("--chunkservers", default=3, show_default=True, type=click.IntRange(1, 64))
 @click.option("--replicas", default=3, show_default=True, type=click.IntRange(1, 16))
-def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int) -> None:
+@click.option("--targets-per-server", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="Storage targets per chunk server; chains = servers x targets / replicas.")
+def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets_per_server: int) -> None:
     """Start (or restart what is not running of) a local cluster and mount it."""
     from pathlib import Path
 
     from kvfs.localcluster import LocalCluster
 
     cluster = LocalCluster(Path(data))
-    layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo))
+    layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo,
+                                              targets_per_server=targets_per_server))
     click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
     click.echo(f"  client config: {cluster.client_config_path}")
     click.echo(f"  status:        kvfs status --data {data}")

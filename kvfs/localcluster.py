@@ -38,6 +38,7 @@ class LocalLayout(msgspec.Struct, kw_only=True):
     chunkservers: dict[int, str]
     replicas: int
     mount: str
+    targets_per_server: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ class LocalCluster:
 
     # ------------------------------------------------------------------------------ bookkeeping
 
-    def _init(self, mount: Path, chunkservers: int, replicas: int) -> tuple[ClusterConfig, LocalLayout]:
+    def _init(
+        self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1
+    ) -> tuple[ClusterConfig, LocalLayout]:
         if self.layout_path.exists():
             layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
             config = load_config(self.config_path)
@@ -107,6 +110,7 @@ class LocalCluster:
             chunkservers={i: f"127.0.0.1:{_free_port()}" for i in range(1, chunkservers + 1)},
             replicas=replicas,
             mount=_absolute(mount),
+            targets_per_server=targets_per_server,
         )
         config = ClusterConfig(
             token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
@@ -127,9 +131,11 @@ class LocalCluster:
         cfg = ["--config", str(self.config_path)]
         procs = [Process("mgmtd", "mgmtd", layout.mgmtd, [*kvfs, "mgmtd", *cfg, "--listen", layout.mgmtd])]
         for node, address in sorted(layout.chunkservers.items()):
-            target = self.data / "targets" / f"cs{node}"
+            targets = [self.data / "targets" / (f"cs{node}" if i == 0 else f"cs{node}.{i}")
+                       for i in range(layout.targets_per_server)]
             procs.append(Process(f"cs{node}", "chunkserver", address, [
-                *kvfs, "chunkserver", *cfg, "--node-id", str(node), "--listen", address, "--target", str(target)]))
+                *kvfs, "chunkserver", *cfg, "--node-id", str(node), "--listen", address,
+                *(arg for target in targets for arg in ("--target", str(target)))]))
         procs.append(Process("meta", "meta", layout.meta, [*kvfs, "meta", *cfg, "--listen", layout.meta]))
         procs.append(Process("mount", "mount", layout.mount, [*kvfs, "mount", *cfg, layout.mount]))
         return procs
@@ -167,12 +173,16 @@ class LocalCluster:
     # --------------------------------------------------------------------------------------- up
 
     def up(
-        self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True
+        self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True,
+        targets_per_server: int = 1,
     ) -> LocalLayout:
-        """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient)."""
+        """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient).
+
+        The sizes (chunk servers, replicas, targets per server) apply when the directory is new; a restart keeps
+        the ones it was created with."""
         from fuse.mount import force_unmount, is_mounted
 
-        config, layout = self._init(mount, chunkservers, replicas)
+        config, layout = self._init(mount, chunkservers, replicas, targets_per_server)
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails
