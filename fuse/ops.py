@@ -34,6 +34,20 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 
+def _changes_directories(fn):
+    """Marks an operation that may change directories' attributes: afterwards no directory attribute kept from an
+    earlier create of this mount may be served (``KvfsOperations.getattr``)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args, **kwargs):
+        try:
+            return await fn(self, *args, **kwargs)
+        finally:
+            self._fresh_dirs.clear()
+
+    return wrapper
+
+
 def _fuse_errors(fn):
     """Translate exceptions from meta/storage into FUSEError; never let one escape into pyfuse3."""
 
@@ -136,6 +150,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
         self._closing = 0  # write sessions being ended in the background
+        # directory inode -> (attributes a create of ours just returned, expiry): see getattr
+        self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
         self._closed = trio.Event()
 
     def init(self) -> None:
@@ -215,9 +231,13 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode, ctx):
+        fresh = self._fresh_dirs.pop(inode, None)
+        if fresh is not None and fresh[1] > trio.current_time():
+            return self._entry(fresh[0])
         return self._entry(await self.meta.getattr(self._caller(ctx), inode))
 
     @_fuse_errors
+    @_changes_directories
     async def setattr(self, inode, attr, fields, fh, ctx):
         caller = self._caller(ctx)
         kw: dict[str, Any] = {}
@@ -268,22 +288,27 @@ class KvfsOperations(pyfuse3.Operations):
         return times
 
     @_fuse_errors
+    @_changes_directories
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         return self._entry(await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev))
 
     @_fuse_errors
+    @_changes_directories
     async def mkdir(self, parent_inode, name, mode, ctx):
         return self._entry(await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode))
 
     @_fuse_errors
+    @_changes_directories
     async def unlink(self, parent_inode, name, ctx):
         await self.meta.unlink(self._caller(ctx), parent_inode, name)
 
     @_fuse_errors
+    @_changes_directories
     async def rmdir(self, parent_inode, name, ctx):
         await self.meta.rmdir(self._caller(ctx), parent_inode, name)
 
     @_fuse_errors
+    @_changes_directories
     async def symlink(self, parent_inode, name, target, ctx):
         return self._entry(await self.meta.symlink(self._caller(ctx), parent_inode, name, target))
 
@@ -292,10 +317,12 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.meta.readlink(self._caller(ctx), inode)
 
     @_fuse_errors
+    @_changes_directories
     async def link(self, inode, new_parent_inode, new_name, ctx):
         return self._entry(await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name))
 
     @_fuse_errors
+    @_changes_directories
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         # pyfuse3.RENAME_NOREPLACE/EXCHANGE are Linux's values, which meta uses too
         await self.meta.rename(self._caller(ctx), parent_inode_old, name_old, parent_inode_new, name_new, flags)
@@ -332,6 +359,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ xattrs ------------
     @_fuse_errors
+    @_changes_directories
     async def setxattr(self, inode, name, value, ctx):
         await self.meta.setxattr(self._caller(ctx), inode, name, value)
 
@@ -344,6 +372,7 @@ class KvfsOperations(pyfuse3.Operations):
         return await self.meta.listxattr(self._caller(ctx), inode)
 
     @_fuse_errors
+    @_changes_directories
     async def removexattr(self, inode, name, ctx):
         await self.meta.removexattr(self._caller(ctx), inode, name)
 
@@ -442,6 +471,10 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         caller = self._caller(ctx)
         opened = await self.meta.create(caller, parent_inode, name, mode, flags)
+        if opened.parent is not None:
+            # The kernel drops the directory's cached attributes after a create and, checking permissions
+            # itself, asks for them before the next lookup in it: answer that from what meta just returned.
+            self._fresh_dirs[parent_inode] = (opened.parent, trio.current_time() + self.attr_timeout)
         fi = await self._attach(caller, opened, flags)
         return fi, self._entry(opened.attr)
 

@@ -472,7 +472,8 @@ class MetaStore:
                 raise _err(errno.EEXIST, repr(name))
             return self._open(tr, caller, entry.ino, flags & ~os.O_CREAT)
         inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino)
-        return Opened(inode.attr, self._start_session(tr, caller, inode, flags), inode.layout)
+        session = self._start_session(tr, caller, inode, flags)
+        return Opened(inode.attr, session, inode.layout, self._inode(tr, parent).attr)
 
     # ------------------------------------------------------------------ links -------------
     def link(self, caller: Caller, ino: int, newparent: int, newname: bytes | str) -> Attr:

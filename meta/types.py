@@ -82,12 +82,14 @@ class DirPage(msgspec.Struct):
 
 
 class Opened(msgspec.Struct):
-    """Result of create/open: the attributes, the write session id when opened for writing, and the file's
-    layout (a client needs it for any I/O; returning it here saves a round trip per newly seen file)."""
+    """Result of create/open: the attributes, the write session id when opened for writing, the file's
+    layout (a client needs it for any I/O; returning it here saves a round trip per newly seen file), and after a
+    create the parent directory's new attributes (the kernel asks for them right after)."""
 
     attr: Attr
     session: int | None = None
     layout: Layout | None = None
+    parent: Attr | None = None
 
 
 class Session(msgspec.Struct):
