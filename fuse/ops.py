@@ -35,15 +35,13 @@ MIB = 1 << 20
 
 
 def _changes_directories(fn):
-    """Marks an operation that may change directories' attributes: afterwards no directory attribute kept from an
-    earlier create of this mount may be served (``KvfsOperations.getattr``)."""
+    """Marks an operation that may change directories' attributes: directory attributes kept from earlier changes
+    of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs."""
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
-        try:
-            return await fn(self, *args, **kwargs)
-        finally:
-            self._fresh_dirs.clear()
+        self._fresh_dirs.clear()
+        return await fn(self, *args, **kwargs)
 
     return wrapper
 
@@ -300,12 +298,12 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def unlink(self, parent_inode, name, ctx):
-        await self.meta.unlink(self._caller(ctx), parent_inode, name)
+        self._fresh_dir(parent_inode, await self.meta.unlink(self._caller(ctx), parent_inode, name))
 
     @_fuse_errors
     @_changes_directories
     async def rmdir(self, parent_inode, name, ctx):
-        await self.meta.rmdir(self._caller(ctx), parent_inode, name)
+        self._fresh_dir(parent_inode, await self.meta.rmdir(self._caller(ctx), parent_inode, name))
 
     @_fuse_errors
     @_changes_directories
@@ -468,15 +466,20 @@ class KvfsOperations(pyfuse3.Operations):
         return fi
 
     @_fuse_errors
+    @_changes_directories
     async def create(self, parent_inode, name, mode, flags, ctx):
         caller = self._caller(ctx)
         opened = await self.meta.create(caller, parent_inode, name, mode, flags)
         if opened.parent is not None:
-            # The kernel drops the directory's cached attributes after a create and, checking permissions
-            # itself, asks for them before the next lookup in it: answer that from what meta just returned.
-            self._fresh_dirs[parent_inode] = (opened.parent, trio.current_time() + self.attr_timeout)
+            self._fresh_dir(parent_inode, opened.parent)
         fi = await self._attach(caller, opened, flags)
         return fi, self._entry(opened.attr)
+
+    def _fresh_dir(self, ino: int, attr: Attr) -> None:
+        """Keep a directory's attributes that meta returned from our own change of it. The kernel drops its cached
+        copy after a create or unlink and, checking permissions itself, asks for it before the next lookup in the
+        directory: this answers that getattr without a round trip (once, within the attribute timeout)."""
+        self._fresh_dirs[ino] = (attr, trio.current_time() + self.attr_timeout)
 
     def _handle(self, fh: int) -> _Handle:
         h = self._handles.get(fh)

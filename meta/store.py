@@ -497,13 +497,15 @@ class MetaStore:
         self._put(tr, pdir)
         return inode.attr
 
-    def unlink(self, caller: Caller, parent: int, name: bytes | str) -> None:
-        self.db.run(self._remove, caller, parent, _check_name(name), False)
+    def unlink(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
+        """Remove a non-directory's name; returns the parent directory's new attributes."""
+        return self.db.run(self._remove, caller, parent, _check_name(name), False)
 
-    def rmdir(self, caller: Caller, parent: int, name: bytes | str) -> None:
-        self.db.run(self._remove, caller, parent, _check_name(name), True)
+    def rmdir(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
+        """Remove an empty directory; returns the parent directory's new attributes."""
+        return self.db.run(self._remove, caller, parent, _check_name(name), True)
 
-    def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool) -> None:
+    def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool) -> Attr:
         pdir = self._dir(tr, caller, parent)
         _, inode = self._child(tr, parent, name)
         _access(caller, pdir.attr, W_OK | X_OK)
@@ -517,6 +519,7 @@ class MetaStore:
         self._touch(pdir)
         self._put(tr, pdir)
         self._drop_link(tr, inode)
+        return pdir.attr
 
     def _check_empty_dir(self, tr: Transaction, inode: Inode) -> None:
         if not _is_dir(inode):
