@@ -390,6 +390,7 @@ class KvfsTarget(Target):
         self.data = work / "kvfs-data"
         self.mnt = work / "kvfs-mnt"
         self.kvfs = self._kvfs_cmd()
+        self.fsync = args.kvfs_fsync
 
     @staticmethod
     def _kvfs_cmd() -> list[str] | None:
@@ -428,7 +429,7 @@ class KvfsTarget(Target):
         self.mnt.mkdir(parents=True, exist_ok=True)
         log("  kvfs up (3 chunk servers, 3 replicas) ...")
         r = run([*self.kvfs, "up", "--data", str(self.data), "--mount", str(self.mnt), "--chunkservers", "3",
-                 "--replicas", "3"], timeout=180, cwd=str(REPO))
+                 "--replicas", "3", "--fsync" if self.fsync else "--no-fsync"], timeout=180, cwd=str(REPO))
         for line in r.stdout.strip().splitlines():
             log(f"    {line}")
         check_mounted(self.mnt, "fuse.kvfs")
@@ -757,6 +758,9 @@ def main() -> int:
     p.add_argument("--runtime", type=int, default=12, help="seconds per fio job (default 12)")
     p.add_argument("--files", type=int, default=5000, help="files in the metadata loop (default 5000)")
     p.add_argument("--skip-kvfs", action="store_true")
+    p.add_argument("--kvfs-fsync", action=argparse.BooleanOptionalAction, default=True,
+                   help="kvfs chunk servers fsync every write (the default); --no-kvfs-fsync matches MooseFS, whose "
+                        "chunk servers do not")
     p.add_argument("--skip-moosefs", action="store_true")
     p.add_argument("--skip-local", action="store_true")
     p.add_argument("--install", action="store_true", help="apt-get install fio and the moosefs packages if missing")
@@ -839,7 +843,8 @@ def main() -> int:
 
     print()
     print(f"fs_compare: size {args.size / 2**20:g} MiB, runtime {args.runtime} s per fio job, "
-          f"{args.files:,} files; psync, direct=0, 1 job; MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
+          f"{args.files:,} files; psync, direct=0, 1 job; kvfs fsync {'on' if args.kvfs_fsync else 'off'}; "
+          f"MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
           f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
     print(table(results))
     for name, why in skipped.items():

@@ -26,7 +26,7 @@ from rpc_bench import plain_pump, plain_server
 from chunkserver.client import StorageClient
 from chunkserver.server import CHUNK_LIMITS
 from craq.mgmtd import MgmtdClient
-from kvfs.config import load_config, save_config
+from kvfs.config import load_config
 from kvfs.localcluster import LocalCluster
 from kvfs.rpc import RpcClient
 from meta.types import Layout
@@ -91,10 +91,8 @@ def main() -> None:
     pump_port = queue.get(timeout=30)
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
         cluster = LocalCluster(Path(tmp) / "cluster")
-        cluster._init(Path(tmp) / "mnt", 3, 3, args.targets_per_server)
+        cluster._init(Path(tmp) / "mnt", 3, 3, args.targets_per_server, args.fsync)
         config = load_config(cluster.config_path)
-        config.chunkserver.fsync = args.fsync
-        save_config(config, cluster.config_path)
         try:
             cluster.up(Path(tmp) / "mnt", mounted=False, echo=lambda *a: None)
             rows = []

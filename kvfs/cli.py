@@ -116,7 +116,11 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
 @click.option("--replicas", default=3, show_default=True, type=click.IntRange(1, 16))
 @click.option("--targets-per-server", default=1, show_default=True, type=click.IntRange(1, 16),
               help="Storage targets per chunk server; chains = servers x targets / replicas.")
-def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets_per_server: int) -> None:
+@click.option("--fsync/--no-fsync", default=True, show_default=True,
+              help="Chunk servers make every write durable before acknowledging it (--no-fsync: faster, "
+                   "but a power loss can lose acknowledged writes).")
+def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets_per_server: int,
+           fsync: bool) -> None:
     """Start (or restart what is not running of) a local cluster and mount it."""
     from pathlib import Path
 
@@ -124,7 +128,7 @@ def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets
 
     cluster = LocalCluster(Path(data))
     layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo,
-                                              targets_per_server=targets_per_server))
+                                              targets_per_server=targets_per_server, fsync=fsync))
     click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
     click.echo(f"  client config: {cluster.client_config_path}")
     click.echo(f"  status:        kvfs status --data {data}")

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import trio
 
-from kvfs.config import ClusterConfig, Timeouts, load_config, new_token, save_config
+from kvfs.config import ChunkServerSection, ClusterConfig, Timeouts, load_config, new_token, save_config
 from kvfs.errors import KvfsError
 
 
@@ -90,7 +90,7 @@ class LocalCluster:
     # ------------------------------------------------------------------------------ bookkeeping
 
     def _init(
-        self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1
+        self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1, fsync: bool = True
     ) -> tuple[ClusterConfig, LocalLayout]:
         if self.layout_path.exists():
             layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
@@ -115,6 +115,7 @@ class LocalCluster:
         config = ClusterConfig(
             token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
             timeouts=Timeouts(heartbeat_interval=0.5, heartbeat_timeout=3.0, lease=3.0),
+            chunkserver=ChunkServerSection(fsync=fsync),
         )
         save_config(config, self.config_path)
         save_config(ClusterConfig(token=config.token, mgmtd=config.mgmtd, meta=config.meta), self.client_config_path)
@@ -174,15 +175,15 @@ class LocalCluster:
 
     def up(
         self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True,
-        targets_per_server: int = 1,
+        targets_per_server: int = 1, fsync: bool = True,
     ) -> LocalLayout:
         """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient).
 
-        The sizes (chunk servers, replicas, targets per server) apply when the directory is new; a restart keeps
-        the ones it was created with."""
+        The sizes (chunk servers, replicas, targets per server) and ``fsync`` apply when the directory is new; a
+        restart keeps what it was created with (``fsync`` lives in ``cluster.toml``'s ``[chunkserver]``)."""
         from fuse.mount import force_unmount, is_mounted
 
-        config, layout = self._init(mount, chunkservers, replicas, targets_per_server)
+        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync)
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails
