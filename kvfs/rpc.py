@@ -499,7 +499,26 @@ class Connection:
         log.warning("bulk data to %s over TCP from now on: %s", self.address, reason)
 
 
-class RpcClient:
+class _TransportChoice:
+    """The transport mode of a client or server, and the RDMA endpoint factory it uses when RDMA is on."""
+
+    transport: TransportMode
+    _rdma_factory: rdma.EndpointFactory | None
+
+    def _init_transport(self, transport: TransportMode | str | None, factory: rdma.EndpointFactory | None) -> None:
+        """Resolve the mode; forcing ``rdma`` on a host that cannot do it fails here, at start-up."""
+        self.transport = rdma.resolve_mode(transport)
+        self._rdma_factory = factory
+        if self.transport is TransportMode.RDMA:
+            rdma.require_available(self.transport, self._factory().detect())
+
+    def _factory(self) -> rdma.EndpointFactory:
+        if self._rdma_factory is None:
+            self._rdma_factory = rdma.default_factory()
+        return self._rdma_factory
+
+
+class RpcClient(_TransportChoice):
     """Connections to any number of servers, one multiplexed connection per address, in one nursery.
 
     Use as ``async with RpcClient(token) as client:``; every connection's tasks live and die inside it.
@@ -522,10 +541,7 @@ class RpcClient:
         transport: TransportMode | str | None = None,
         rdma_factory: rdma.EndpointFactory | None = None,
     ) -> None:
-        self.transport = rdma.resolve_mode(transport)
-        self._rdma_factory = rdma_factory
-        if self.transport is TransportMode.RDMA:
-            rdma.require_available(self.transport, self._factory().detect())
+        self._init_transport(transport, rdma_factory)
         self._signer = Signer(token)
         self._limits = limits
         self._connect_timeout = connect_timeout
@@ -583,11 +599,6 @@ class RpcClient:
                         raise
                 self._connections[address] = conn
         return conn
-
-    def _factory(self) -> rdma.EndpointFactory:
-        if self._rdma_factory is None:
-            self._rdma_factory = rdma.default_factory()
-        return self._rdma_factory
 
     async def _negotiate_rdma(self, conn: Connection) -> None:
         """Offer the server a queue pair; any failure leaves this connection's bulk data on TCP (logged)."""
@@ -729,7 +740,7 @@ class PeerConnection:
             self.rdma.close()
 
 
-class RpcServer:
+class RpcServer(_TransportChoice):
     """Serves registered handlers on one TCP port; every connection runs in the server's nursery.
 
     ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether this server
@@ -747,10 +758,7 @@ class RpcServer:
         transport: TransportMode | str | None = None,
         rdma_factory: rdma.EndpointFactory | None = None,
     ) -> None:
-        self.transport = rdma.resolve_mode(transport)
-        self._rdma_factory = rdma_factory
-        if self.transport is TransportMode.RDMA:
-            rdma.require_available(self.transport, self._factory().detect())
+        self._init_transport(transport, rdma_factory)
         self._signer = Signer(token)
         self._limits = limits
         self._max_in_flight = max_in_flight
@@ -763,11 +771,6 @@ class RpcServer:
         self._draining = False
         self._running = 0  # handlers in progress
         self._idle = trio.Event()
-
-    def _factory(self) -> rdma.EndpointFactory:
-        if self._rdma_factory is None:
-            self._rdma_factory = rdma.default_factory()
-        return self._rdma_factory
 
     async def _rdma_connect(self, offer: RdmaOffer, data: memoryview | None, ctx: CallContext) -> RdmaAccept:
         """The built-in handshake: create and connect a queue pair for this connection, or refuse with why."""
