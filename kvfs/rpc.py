@@ -244,6 +244,7 @@ class Connection:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
+        self._going_away = False  # the server sent GOAWAY: no new calls on this connection
         self._cancel = trio.CancelScope()
         #: The RDMA link when the handshake succeeded (None: bulk data goes over TCP).
         self.rdma: rdma.RdmaLink | None = None
@@ -265,7 +266,7 @@ class Connection:
         Checked before reusing an idle connection so that a non-idempotent call is not sent into a socket
         that is known to be dead, where its failure would be ambiguous.
         """
-        if self._closed is not None:
+        if self._closed is not None or self._going_away:
             return True
         if self._pending:
             return False  # the reader owns the socket's input while answers are due
@@ -300,7 +301,10 @@ class Connection:
         try:
             await self._read_loop()
         except _EndOfStream:
-            self._fail_pending(ConnectionLost(f"{self.address} closed the connection"))
+            if self._going_away:  # the server answered all it read before closing: the rest never ran
+                self._fail_pending(ServiceUnavailable(f"{self.address} shut down before reading the call"))
+            else:
+                self._fail_pending(ConnectionLost(f"{self.address} closed the connection"))
         except KvfsError as exc:
             self._fail_pending(exc)
         except (OSError, trio.ClosedResourceError) as exc:
@@ -332,6 +336,9 @@ class Connection:
             header = wire.decode_header(raw, self._limits)
             body = await reader.read(header.body_len)
             wire.check_tag(self._signer, raw, header, body)
+            if header.flags & wire.Flags.GOAWAY:
+                self._going_away = True  # answers to what we sent still come; nothing new goes out here
+                continue
             pending = self._pending.pop(header.request_id, None)
             if header.flags & wire.Flags.AUTH_REFUSED:
                 err = wire.decode_error(body)
@@ -399,6 +406,8 @@ class Connection:
         into: memoryview | None = None,
     ) -> tuple[Any, memoryview | None]:
         """Send one request and wait for its answer; the deadline is the caller's cancel scope."""
+        if self._going_away:
+            raise ServiceUnavailable(f"{self.address} is shutting down; call not sent")
         if self._closed is not None:
             raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
         request_id = next(self._ids)
@@ -748,6 +757,9 @@ class RpcServer(_TransportChoice):
     ``RDMA_CONNECT`` handler is built in (unless one is registered) and refuses when this side cannot do RDMA.
     """
 
+    #: After GOAWAY, how long connections keep answering calls that were already on their way.
+    GOAWAY_LINGER = 0.5
+
     def __init__(
         self,
         token: bytes | str,
@@ -768,6 +780,7 @@ class RpcServer(_TransportChoice):
         self.connections_refused = 0
         self.peers: set[PeerConnection] = set()
         self._accepting: trio.CancelScope | None = None
+        self._writers: set[_Writer] = set()  # one per open connection, to say GOAWAY
         self._draining = False
         self._running = 0  # handlers in progress
         self._idle = trio.Event()
@@ -832,6 +845,14 @@ class RpcServer(_TransportChoice):
         with trio.move_on_after(grace):
             while self._running:
                 await self._idle.wait()
+        # Tell every client to stop sending here, then keep answering (ESHUTDOWN) what was already on its way, so
+        # closing never resets a connection with an unread call in it (the client could not know it never ran).
+        body = wire.encode_body(wire.ErrorBody(errno.ESHUTDOWN, f"{self.log.name} is shutting down"))
+        goaway = wire.encode_frame(self._signer, FrameType.ERROR, 0, 0, body, flags=wire.Flags.GOAWAY)
+        for writer in list(self._writers):
+            with contextlib.suppress(ConnectionLost):
+                await writer.put([goaway])
+        await trio.sleep(self.GOAWAY_LINGER)
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         """Accept until :meth:`drain`; connections live in the server's nursery, so they outlive accepting."""
@@ -853,6 +874,7 @@ class RpcServer(_TransportChoice):
             sock.close()
             return
         writer = _Writer(sock)
+        self._writers.add(writer)
         limiter = trio.CapacityLimiter(self._max_in_flight)
         conn = PeerConnection(peer)
         self.peers.add(conn)
@@ -875,6 +897,7 @@ class RpcServer(_TransportChoice):
                     self.log.exception("closing connection from %s after an internal error", peer)
                 nursery.cancel_scope.cancel()
         finally:
+            self._writers.discard(writer)
             self.peers.discard(conn)
             conn.close()
             writer.close()

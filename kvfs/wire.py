@@ -49,6 +49,9 @@ class Flags(enum.IntFlag):
     #: The body ends with an RDMA descriptor trailer and the data section moved (or is to move) by RDMA instead
     #: of following the body; see :mod:`kvfs.transport.link`. Never set on a TCP-only connection.
     RDMA = 2
+    #: An ERROR frame (request id 0, errno ESHUTDOWN) telling a client the server is going away: every request it
+    #: read has been answered, later ones are refused unrun, and the client must send no more on this connection.
+    GOAWAY = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,7 @@ def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
         ftype = FrameType(ftype)
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
-    if flags & ~int(Flags.AUTH_REFUSED | Flags.RDMA):
+    if flags & ~int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY):
         raise ProtocolError(f"unknown flags {flags:#x}")
     if body_len > limits.max_body:
         raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")

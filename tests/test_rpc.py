@@ -263,3 +263,32 @@ async def test_drain_finishes_running_calls_and_refuses_new_ones(client):
                 await trio.sleep(0.01)
         assert results["slow"].text == "slow"
         nursery.cancel_scope.cancel()
+
+
+async def test_drained_server_says_goaway_so_a_call_racing_the_shutdown_is_known_unrun(client):
+    """A call sent while the server closes must come back as 'not run' (ServiceUnavailable), never as an
+    ambiguous reset: the server tells clients to stop (GOAWAY) and answers what was already on its way."""
+    from kvfs.errors import ServiceUnavailable
+
+    async with trio.open_nursery() as nursery:
+        srv = RpcServer(TOKEN)
+        srv.register(ECHO_ONCE, echo)
+        port = await nursery.start(srv.serve, "127.0.0.1", 0)
+        address = f"127.0.0.1:{port}"
+        assert (await client.call(address, ECHO_ONCE, EchoRequest("before"))).text == "before"
+        outcomes = []
+
+        async def caller():
+            while True:
+                try:
+                    await client.call(address, ECHO_ONCE, EchoRequest("racing"), timeout=2)
+                except ServiceUnavailable:
+                    outcomes.append("unrun")
+                    return
+                outcomes.append("ok")
+
+        nursery.start_soon(caller)
+        await trio.sleep(0.05)
+        await srv.drain(1)
+        nursery.cancel_scope.cancel()
+    assert outcomes and outcomes[-1] == "unrun" and set(outcomes) <= {"ok", "unrun"}
