@@ -33,6 +33,24 @@ def _load(config_path: str | None) -> ClusterConfig:
         raise click.ClickException(exc.message) from None
 
 
+def _this_command() -> str:
+    """How the user ran kvfs (``kvfs``, ``.venv/bin/kvfs``, ``python -m kvfs``), for the hints we print."""
+    import os
+    import shutil
+    import sys
+
+    def short(path: str) -> str:
+        relative = os.path.relpath(path)
+        return os.path.abspath(path) if relative.startswith("..") else relative
+
+    argv0 = sys.argv[0]
+    if argv0.endswith("__main__.py"):
+        return f"{short(sys.executable)} -m kvfs"
+    if shutil.which("kvfs") == os.path.abspath(argv0):
+        return "kvfs"
+    return short(argv0)
+
+
 def _fail_cleanly(fn: Callable[[], Any]) -> Any:
     """Turn kvfs errors into a one-line message and a non-zero exit instead of a traceback."""
     try:
@@ -130,9 +148,10 @@ def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets
     layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo,
                                               targets_per_server=targets_per_server, fsync=fsync))
     click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
+    kvfs = _this_command()
     click.echo(f"  client config: {cluster.client_config_path}")
-    click.echo(f"  status:        kvfs status --data {data}")
-    click.echo(f"  stop:          kvfs down --data {data}")
+    click.echo(f"  status:        {kvfs} status --data {data}")
+    click.echo(f"  stop:          {kvfs} down --data {data}")
 
 
 @main.command("down")
