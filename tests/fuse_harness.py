@@ -1,7 +1,7 @@
 """Test harness for the FUSE mount: in-process stand-ins for the remote collaborators, and a server
 entry point the tests start in a subprocess.
 
-* :class:`LocalMeta` turns the synchronous ``meta.store.MetaStore`` into the async interface the mount
+* ``meta.client.LocalMeta`` turns the synchronous ``meta.store.MetaStore`` into the async interface the mount
   codes against (the real ``meta.client.RemoteMeta`` exposes the same method names over RPC).
 * :class:`LocalFileStorage` implements ``kvfs.storage.FileStorage`` over one ``ChunkEngine`` directory:
   chunk ``i`` of a file covers bytes ``[i * chunk_size, (i + 1) * chunk_size)``, one replica, versions
@@ -12,36 +12,22 @@ entry point the tests start in a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
 from crc32c import crc32c
 
 from chunkserver.engine import ChunkEngine, ChunkId
+from fuse.mount import is_mounted
 from kvfs.errors import KvfsError
-
-
-class LocalMeta:
-    """Async facade over a synchronous MetaStore: every method runs in a worker thread."""
-
-    def __init__(self, store) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str):
-        method = getattr(self._store, name)
-        if not callable(method):
-            return method
-
-        async def call(*args, **kwargs):
-            return await trio.to_thread.run_sync(lambda: method(*args, **kwargs))
-
-        call.__name__ = name
-        setattr(self, name, call)
-        return call
+from meta.client import LocalMeta
 
 
 class LocalFileStorage:
@@ -201,13 +187,6 @@ HARNESS = str(Path(__file__).resolve())
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
-def is_mounted(path) -> bool:
-    """From /proc/self/mountinfo: never touches the (possibly hung) mount itself."""
-    target = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == target for line in f)
-
-
 class Mount:
     def __init__(self, path: Path, proc, log: Path) -> None:
         self.path, self.proc, self.log = path, proc, log
@@ -217,6 +196,28 @@ class Mount:
             return self.log.read_text()
         except OSError:
             return ""
+
+
+@contextlib.contextmanager
+def running_mount(base: Path, *extra: str, public: bool = False) -> Iterator[Mount]:
+    """A harness mount for a test module; always stopped and unmounted afterwards."""
+    m = start_mount(base, *extra, public=public)
+    try:
+        yield m
+    finally:
+        stop_mount(m)
+
+
+_dirs = itertools.count()
+
+
+def fresh_dir(m: Mount, mode: int | None = None) -> Path:
+    """A new directory on the mount for one test (``mode`` given explicitly: mkdir is subject to the umask)."""
+    path = m.path / f"t{next(_dirs)}"
+    os.mkdir(path)
+    if mode is not None:
+        os.chmod(path, mode)
+    return path
 
 
 def start_mount(base: Path, *extra: str, timeout: float = 20.0, public: bool = False) -> Mount:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import itertools
 import os
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import sys
 
 import pytest
 
-from fuse_harness import REPO, is_mounted, start_mount, stop_mount
+from fuse_harness import REPO, fresh_dir, is_mounted, running_mount, start_mount, stop_mount
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
@@ -23,23 +22,15 @@ pytestmark = pytest.mark.skipif(
 
 MIB = 1 << 20
 CHUNK = 256 * 1024  # small chunks so modest files span many chunks (parallel chunk I/O)
-_counter = itertools.count()
-
-
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory):
-    m = start_mount(tmp_path_factory.mktemp("fuse_io"), "--chunk-size", str(CHUNK), "--write-buffer", str(2 * MIB))
-    try:
+    with running_mount(tmp_path_factory.mktemp("fuse_io"), "--chunk-size", str(CHUNK), "--write-buffer", str(2 * MIB)) as m:
         yield m
-    finally:
-        stop_mount(m)
 
 
 @pytest.fixture
 def d(mount):
-    path = mount.path / f"t{next(_counter)}"
-    os.mkdir(path)
-    return path
+    return fresh_dir(mount)
 
 
 def pattern(n: int, seed: int = 0) -> bytes:

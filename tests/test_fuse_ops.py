@@ -8,37 +8,27 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import os
 import stat
 import time
 
 import pytest
 
-from fuse_harness import run_as, start_mount, stop_mount
+from fuse_harness import fresh_dir, run_as, running_mount
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
 )
 
-_counter = itertools.count()
-
-
 @pytest.fixture(scope="module")
 def mount(tmp_path_factory):
-    m = start_mount(tmp_path_factory.mktemp("fuse_ops"), public=True)
-    try:
+    with running_mount(tmp_path_factory.mktemp("fuse_ops"), public=True) as m:
         yield m
-    finally:
-        stop_mount(m)
 
 
 @pytest.fixture
 def d(mount):
-    path = mount.path / f"t{next(_counter)}"
-    os.mkdir(path)
-    os.chmod(path, 0o777)
-    return path
+    return fresh_dir(mount, 0o777)
 
 
 def err(fn, *args, **kwargs) -> int:
