@@ -61,13 +61,13 @@ def _absolute(mount: Path) -> str:
     return os.path.abspath(mount)
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our own child (up and down in one process)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
 
 
@@ -259,7 +259,7 @@ class LocalCluster:
         deadline = time.monotonic() + grace
         while running and time.monotonic() < deadline:
             for name, pid in list(running.items()):
-                if not _process_exists(pid):
+                if not process_exists(pid):
                     echo(f"stopped {name} (pid {pid})")
                     del running[name]
             time.sleep(0.05)

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from fuse.mount import is_mounted
+from kvfs.localcluster import process_exists as process_alive
+
 REPO = Path(__file__).resolve().parent.parent
 KVFS = [sys.executable, "-m", "kvfs"]
 NEEDS_FUSE = pytest.mark.skipif(
@@ -37,23 +40,6 @@ NEEDS_FUSE = pytest.mark.skipif(
     reason="needs root, /dev/fuse and fusermount3 (Debian: fuse3)",
 )
 SERVICES = ("mgmtd", "cs1", "cs2", "cs3", "meta")
-
-
-def is_mounted(path: str | os.PathLike[str]) -> bool:
-    """From /proc/self/mountinfo, so a dead (ENOTCONN) or hung mount is never touched."""
-    target = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4].encode().decode("unicode_escape") == target for line in f)
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie counts as gone (kvfs up's children are reparented to init)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
