@@ -56,7 +56,7 @@ def rpc_server(port_queue: mp.Queue) -> None:
     async def main():
         server = RpcServer(TOKEN, limits=LIMITS)
         for method, fn in ((PING, ping), (PUT, put), (GET, get)):
-            server.register(method, fn)
+            server.register(method, fn, inline=method is PING)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.serve, "127.0.0.1", 0)
             port_queue.put(port)

@@ -1,10 +1,13 @@
 """Multiplexed RPC over TCP on trio.
 
 One connection carries many concurrent calls, matched by request id. Each side runs one reader task and one
-writer task per connection: the writer drains every queued frame into a single ``sendmsg`` (small calls in
-flight only pay off when frames are batched), and the reader parses frames out of a reused buffer and hands
-each data section straight to the buffer its caller supplied (``recv_into``), so bulk bytes are copied once,
-from the kernel into their destination.
+writer task per connection. A frame is written by its caller when nothing is queued, else the writer drains the
+queue into one ``writev`` (small calls in flight only pay off when frames are batched); the reader parses frames
+out of a reused buffer and hands each data section straight to the buffer its caller supplied, so bulk bytes
+are copied once, from the kernel into their destination. Both read and write the non-blocking descriptor
+directly and wait for readiness only when it is empty or full: a small call's round trip is mostly scheduler
+passes, and this leaves one per side where trio's socket methods took several. Handlers registered ``inline``
+run in the reader task (no task per call).
 
 Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
 connection with a logged reason; every other connection keeps being served.
@@ -22,6 +25,7 @@ import contextlib
 import errno
 import itertools
 import logging
+import os
 import select
 import socket as _socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -65,6 +69,8 @@ RDMA_FALLBACKS = prometheus_client.Counter(
 
 _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
+_YIELD_EVERY = 64
+_QUEUE_LIMIT = 4 * 1024 * 1024
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -80,14 +86,31 @@ class _EndOfStream(Exception):
 
 
 class FrameReader:
-    """Buffered reads from a socket that can hand large payloads directly to a caller's buffer."""
+    """Buffered reads from a socket that can hand large payloads directly to a caller's buffer.
+
+    Reads go straight to the non-blocking descriptor and wait for readiness only when it has nothing: trio's
+    socket methods yield to the scheduler after every successful call, a scheduler pass per frame that was a
+    good part of a small call's round trip. A reader that keeps finding data yields every ``_YIELD_EVERY``
+    reads, so one busy connection cannot starve the others.
+    """
 
     def __init__(self, sock: trio.socket.SocketType, size: int = _READ_BUFFER) -> None:
-        self._sock = sock
+        self._fd = sock.fileno()
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._reads = 0
+
+    async def _recv_into(self, dst: memoryview) -> int:
+        self._reads += 1
+        if self._reads % _YIELD_EVERY == 0:
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                return os.readv(self._fd, [dst])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self._fd)
 
     async def _fill(self, need: int) -> None:
         if self._start + need > len(self._buf):
@@ -95,7 +118,7 @@ class FrameReader:
             self._view[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
         while self._end - self._start < need:
-            n = await self._sock.recv_into(self._view[self._end :])
+            n = await self._recv_into(self._view[self._end :])
             if n == 0:
                 if self._end == self._start:
                     raise _EndOfStream
@@ -120,7 +143,7 @@ class FrameReader:
         self._start += buffered
         pos = buffered
         while pos < len(dst):
-            n = await self._sock.recv_into(dst[pos:])
+            n = await self._recv_into(dst[pos:])
             if n == 0:
                 raise ProtocolError(f"connection closed inside a data section ({pos} of {len(dst)} bytes)")
             pos += n
@@ -133,64 +156,100 @@ class FrameReader:
             n -= step
 
 
-async def _send_buffers(sock: trio.socket.SocketType, buffers: list[memoryview]) -> None:
-    """Send every buffer in order with as few syscalls as the kernel allows."""
-    while buffers:
-        sent = await sock.sendmsg(buffers[:_IOV_MAX])
+def _write_available(fd: int, views: list[memoryview]) -> int:
+    """Write from the front of ``views`` until they are all sent or the socket is full; trims ``views`` in
+    place and returns the bytes written. Errors other than a full socket propagate."""
+    total = 0
+    while views:
+        try:
+            sent = os.writev(fd, views[:_IOV_MAX])
+        except BlockingIOError:
+            break
+        total += sent
         done = 0
-        while sent and done < len(buffers):
-            head = buffers[done]
+        while sent and done < len(views):
+            head = views[done]
             if sent >= len(head):
                 sent -= len(head)
                 done += 1
             else:
-                buffers[done] = head[sent:]
+                views[done] = head[sent:]
                 sent = 0
-        del buffers[:done]
+        del views[:done]
+    return total
 
 
 class _Writer:
     """Serialises frames onto one socket.
 
-    A caller whose frame finds the socket idle sends it itself, saving a task switch per call; frames that
-    arrive while a send is in progress queue up, and the writer task drains the whole queue into a single
-    ``sendmsg`` (small calls in flight only pay off when their frames batch). Frames never interleave; the
-    order of different requests' frames does not matter since calls are matched by request id.
+    A frame that finds nothing queued is written by its caller at once, with no task switch or scheduler pass;
+    what the socket does not take is queued, and the writer task sends the queue as the socket drains, many
+    frames per ``writev`` (small calls in flight only pay off when their frames batch). Frames never interleave.
+    ``put`` returns once its frame is written or queued, except that a frame holding caller-owned buffers
+    (anything but ``bytes``), or one that finds more than ``_QUEUE_LIMIT`` bytes queued, waits until its bytes
+    are in the kernel: callers may reuse their buffers, and a peer that stops reading pushes back.
     """
 
-    def __init__(self, sock: trio.socket.SocketType, depth: int = 1024) -> None:
-        self._sock = sock
-        self._lock = trio.Lock()
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self._fd = sock.fileno()
+        self._queue: list[memoryview] = []
+        self._queued = 0  # bytes ever queued
+        self._sent = 0  # bytes of those written so far
+        self._wake = trio.Event()  # the queue has something, or close() was called
+        self._progress = trio.Event()  # set (and replaced) whenever queued bytes are written
         self._closed = False
-        self._send, self._receive = trio.open_memory_channel[list[Buffer]](depth)
+        self._stopped = False
+        self._error: OSError | None = None
 
     async def put(self, buffers: list[Buffer]) -> None:
-        try:
-            if not self._lock.locked() and self._receive.statistics().current_buffer_used == 0:
-                if self._closed:
-                    raise trio.ClosedResourceError
-                async with self._lock:
-                    await _send_buffers(self._sock, [memoryview(b).cast("B") for b in buffers if len(b)])
+        if self._closed or self._stopped or self._error is not None:
+            raise ConnectionLost("connection closed before the frame was sent")
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if not self._queue:
+            try:
+                _write_available(self._fd, views)
+            except OSError as exc:  # the writer task raises it too, which ends the connection
+                self._error = exc
+                self._wake.set()
+                raise ConnectionLost(f"sending failed: {exc}") from None
+            if not views:
                 return
-            await self._send.send(buffers)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ConnectionLost("connection closed before the frame was sent") from None
+        self._queue.extend(views)
+        self._queued += sum(len(v) for v in views)
+        self._wake.set()
+        if self._queued - self._sent > _QUEUE_LIMIT or any(type(b) is not bytes for b in buffers):
+            end = self._queued
+            while self._sent < end:
+                if self._stopped:
+                    raise ConnectionLost("connection closed before the frame was sent")
+                await self._progress.wait()
 
     async def run(self) -> None:
-        async with self._receive:
-            async for first in self._receive:
-                batch = [first]
-                while True:
-                    try:
-                        batch.append(self._receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                async with self._lock:
-                    await _send_buffers(self._sock, [memoryview(b).cast("B") for f in batch for b in f if len(b)])
+        """Send what ``put`` queued until :meth:`close` (flushing first) or until a send fails."""
+        try:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._queue:
+                    sent = _write_available(self._fd, self._queue)
+                    if sent:
+                        self._sent += sent
+                        self._progress.set()
+                        self._progress = trio.Event()
+                    if self._queue:
+                        await trio.lowlevel.wait_writable(self._fd)
+                    continue
+                if self._closed:
+                    return
+                self._wake = trio.Event()
+                await self._wake.wait()
+        finally:
+            self._stopped = True
+            self._progress.set()
 
     def close(self) -> None:
         self._closed = True
-        self._send.close()
+        self._wake.set()
 
 
 def _data_buffers(data: Buffer | Sequence[Buffer] | None) -> tuple[list[Buffer], int]:
@@ -775,6 +834,7 @@ class RpcServer(_TransportChoice):
         self._limits = limits
         self._max_in_flight = max_in_flight
         self._handlers: dict[int, tuple[Method, Handler]] = {}
+        self._inline: set[int] = set()
         self.log = logging.getLogger(f"kvfs.{name}")
         self.port: int | None = None
         self.connections_refused = 0
@@ -813,10 +873,15 @@ class RpcServer(_TransportChoice):
         self.log.warning("bulk data with %s over TCP: %s", ctx.peer, reason)
         return RdmaAccept.refuse(reason)
 
-    def register(self, method: Method, handler: Handler) -> None:
+    def register(self, method: Method, handler: Handler, *, inline: bool = False) -> None:
+        """Serve ``method`` with ``handler``. An ``inline`` handler runs in the connection's reader task instead
+        of a task of its own, which saves a task start and a scheduler pass per call; only for handlers that
+        never wait on anything slow, since the connection reads nothing else while one runs."""
         if method.id in self._handlers:
             raise ValueError(f"{method.name} already has a handler")
         self._handlers[method.id] = (method, handler)
+        if inline:
+            self._inline.add(method.id)
 
     async def serve(
         self, host: str = "127.0.0.1", port: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -958,10 +1023,15 @@ class RpcServer(_TransportChoice):
             if header.data_len:
                 data = memoryview(bytearray(header.data_len))
                 await reader.read_into(data)
-            await limiter.acquire_on_behalf_of(header.request_id)
-            nursery.start_soon(
-                self._dispatch, writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers
-            )
+            try:
+                limiter.acquire_on_behalf_of_nowait(header.request_id)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(header.request_id)
+            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers)
+            if buffers is None and (failure is not None or header.method in self._inline):
+                await self._dispatch(*args)
+            else:
+                nursery.start_soon(self._dispatch, *args)
 
     async def _dispatch(
         self,

@@ -5,7 +5,8 @@ instance can answer any client. Each call runs one store operation (one KV trans
 transaction is a short local operation, so it runs on the event loop: a worker-thread round trip cost more than
 the transaction, and concurrent writers in threads of one process only collided on SQLite's file lock and retried
 with sleeps (measured: 8 clients' creates went from ~600/s to ~3,000/s). FoundationDB transactions wait on the
-network, so they run in worker threads.
+network, so they run in worker threads. Inline transactions also run in the connection's reader task (no task
+per call): the handler has nothing to wait for.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class MetaService:
         self.server = server
         self.gc_interval = gc_interval
         for op in OPS.values():
-            server.register(op.method, functools.partial(self._handle, op))
+            server.register(op.method, functools.partial(self._handle, op), inline=store.db.inline)
 
     async def _handle(self, op: Operation, request: Any, data: memoryview | None, ctx: CallContext) -> Any:
         fn = getattr(self.store, op.name)

@@ -292,3 +292,55 @@ async def test_drained_server_says_goaway_so_a_call_racing_the_shutdown_is_known
         await srv.drain(1)
         nursery.cancel_scope.cancel()
     assert outcomes and outcomes[-1] == "unrun" and set(outcomes) <= {"ok", "unrun"}
+
+
+async def test_inline_handlers_answer_in_order_and_others_still_overlap(nursery, client):
+    """An inline handler runs in the connection's reader task; a slow ordinary one must not hold it up."""
+    srv = RpcServer(TOKEN, name="test-inline")
+    srv.register(ECHO, echo, inline=True)
+    srv.register(ECHO_ONCE, echo)
+    address = f"127.0.0.1:{await nursery.start(srv.serve, '127.0.0.1', 0)}"
+    done: list[str] = []
+
+    async def slow() -> None:
+        await client.call(address, ECHO_ONCE, EchoRequest("slow", delay=0.5))
+        done.append("slow")
+
+    async with trio.open_nursery() as calls:
+        calls.start_soon(slow)
+        await trio.sleep(0.05)
+        for i in range(20):
+            assert await client.call(address, ECHO, EchoRequest(str(i)), data=b"y" * i) == EchoResponse(str(i), i)
+        done.append("inline")
+    assert done == ["inline", "slow"]
+
+
+async def test_writer_holds_caller_buffers_until_sent_and_keeps_frame_order():
+    """A peer that does not read fills the socket: frames queue in order, and a frame with a caller-owned
+    buffer returns only once its bytes are in the kernel (so the caller may reuse the buffer)."""
+    from kvfs.rpc import _Writer
+
+    a, b = trio.socket.socketpair()
+    with a, b:
+        writer = _Writer(a)
+        big = bytearray(b"z" * (2 << 20))  # more than the socket buffers hold, less than the queue limit
+        returned = trio.Event()
+        received = bytearray()
+
+        async def put_big() -> None:
+            await writer.put([b"head", big])
+            returned.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer.run)
+            nursery.start_soon(put_big)
+            await trio.sleep(0.1)
+            assert not returned.is_set()  # still in the queue, not yet in the kernel
+            await writer.put([b"tail"])  # queues behind, returns at once (bytes it owns)
+            while len(received) < 4 + len(big) + 4:
+                received += await b.recv(1 << 20)
+            await returned.wait()
+            writer.close()
+        assert received[:4] == b"head" and received[-4:] == b"tail" and len(received) == 8 + len(big)
+        with pytest.raises(Exception, match="closed"):
+            await writer.put([b"late"])
