@@ -641,10 +641,12 @@ class RpcClient(_TransportChoice):
             conn.close()
         self._connections.clear()
 
-    async def connection(self, address: str) -> Connection:
+    async def connection(self, address: str, *, check_peer: bool = True) -> Connection:
+        """The open connection to ``address``, or a new one. ``check_peer`` first asks the kernel whether an
+        idle connection's peer already hung up (a syscall; callers that can retry skip it)."""
         conn = self._connections.get(address)
         if conn is not None:
-            if not conn.peer_gone():
+            if not (conn.closed or check_peer and conn.peer_gone()):
                 return conn
             conn.close()
         if self._nursery is None:
@@ -740,7 +742,7 @@ class RpcClient(_TransportChoice):
         for attempt in range(attempts):
             try:
                 with trio.fail_after(deadline):
-                    conn = await self.connection(address)
+                    conn = await self.connection(address, check_peer=not method.idempotent)
                     return await conn.call(method, request, data=data, into=into)
             except trio.TooSlowError:
                 error: KvfsError = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")

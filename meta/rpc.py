@@ -64,9 +64,13 @@ class Operation:
     names: frozenset[str]  # parameters that are names/paths: str accepted, bytes on the wire
 
     def request(self, caller: Caller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> msgspec.Struct:
-        bound = self.signature.bind(None, caller, *args, **kwargs)
-        bound.apply_defaults()
-        values = {name: bound.arguments[name] for name in ("caller", *self.params)}
+        if not kwargs and len(args) == len(self.params):  # every argument by position: no binding to do
+            values = dict(zip(self.params, args))
+            values["caller"] = caller
+        else:
+            bound = self.signature.bind(None, caller, *args, **kwargs)
+            bound.apply_defaults()
+            values = {name: bound.arguments[name] for name in ("caller", *self.params)}
         for name in self.names:
             if isinstance(values[name], str):
                 values[name] = os.fsencode(values[name])

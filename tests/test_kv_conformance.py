@@ -63,6 +63,19 @@ def test_keys_roundtrip_and_order():
     assert decode_int(encode_int(-5)) == -5 and decode_int(None) == 0
 
 
+_key_parts = st.one_of(
+    st.integers(-(1 << 70), 1 << 70), st.binary(max_size=12), st.text(max_size=6), st.booleans(), st.none()
+)
+
+
+@given(st.lists(_key_parts, max_size=5))
+def test_fast_key_packing_is_the_tuple_layer(parts):
+    """pack() encodes the schema's shapes itself; its bytes must be exactly fdb.tuple's, order included."""
+    import fdb.tuple
+
+    assert pack(*parts) == fdb.tuple.pack(tuple(parts))
+
+
 def test_set_get_clear(db):
     put(db, {k(1): b"one", k(2): b"two"})
     tr = db.create_transaction()
