@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ class RemoteMeta:
         self._next = itertools.cycle(range(len(self._addresses)))
         self._current = next(self._next)
         self._rounds = failover_rounds
+        client_tag = secrets.token_bytes(12)  # op ids: this client's random tag + a sequence number
+        self._op_ids = (client_tag + n.to_bytes(8, "big") for n in itertools.count())
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         op = OPS.get(name)
@@ -39,14 +42,17 @@ class RemoteMeta:
             raise AttributeError(name)
 
         async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
-            request = op.request(caller, args, kwargs)
+            op_id = b"" if op.method.idempotent else next(self._op_ids)
+            request = op.request(caller, args, kwargs, op_id)
             return (await self._call(op.method, request)).value
 
         call.__name__ = name
         return call
 
     async def _call(self, method: Any, request: Any) -> Any:
-        """Try instances in turn; a call that may have run is retried only if the method is idempotent."""
+        """Try instances in turn. A call that may have run is retried too: idempotent methods run again
+        harmlessly, and the others carry an op id under which meta answers a retry with the first answer
+        (:meth:`meta.store.MetaStore.answering_once`)."""
         error: Exception | None = None
         for attempt in range(self._rounds * len(self._addresses)):
             address = self._addresses[self._current]
@@ -55,7 +61,7 @@ class RemoteMeta:
             except ServiceUnavailable as exc:  # never reached the service: safe to go elsewhere
                 error = exc
             except (ConnectionLost, RpcTimeout) as exc:
-                if not method.idempotent:
+                if not (method.idempotent or getattr(request, "op_id", b"")):
                     raise
                 error = exc
             self._current = next(self._next)

@@ -63,7 +63,10 @@ class Operation:
     params: tuple[str, ...]
     names: frozenset[str]  # parameters that are names/paths: str accepted, bytes on the wire
 
-    def request(self, caller: Caller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> msgspec.Struct:
+    def request(
+        self, caller: Caller, args: tuple[Any, ...], kwargs: dict[str, Any], op_id: bytes = b""
+    ) -> msgspec.Struct:
+        """The request struct for a call; ``op_id`` names a non-idempotent call so its retries run it once."""
         if not kwargs and len(args) == len(self.params):  # every argument by position: no binding to do
             values = dict(zip(self.params, args))
             values["caller"] = caller
@@ -74,6 +77,8 @@ class Operation:
         for name in self.names:
             if isinstance(values[name], str):
                 values[name] = os.fsencode(values[name])
+        if not self.method.idempotent:
+            values["op_id"] = op_id
         return self.method.request(**values)
 
 
@@ -98,6 +103,8 @@ def _derive(name: str, position: int, idempotent: bool) -> Operation:
     for p in params:
         kind = _wire_type(hints.get(p.name, Any))
         fields.append((p.name, kind) if p.default is inspect.Parameter.empty else (p.name, kind, p.default))
+    if not idempotent:  # see MetaStore.answering_once; empty: run as sent (an older client)
+        fields.append(("op_id", bytes, b""))
     title = "".join(part.title() for part in name.split("_"))
     request = msgspec.defstruct(f"{title}Request", fields, kw_only=True, module=__name__)
     response = msgspec.defstruct(f"{title}Response", [("value", hints.get("return", Any))], module=__name__)

@@ -11,6 +11,7 @@ key                            value
 ("meta", "g", ino)             b"": inode whose last link is gone, waiting for chunk GC
 ("meta", "c", shard)           int64 LE: id blocks handed out by this allocator shard
 ("meta", "n", "inodes")        int64 LE, atomic add: live inode count for statfs
+("meta", "r", minute, op_id)   the answer to a non-idempotent request, for its retries (expires)
 =============================  ==========================================================
 """
 
@@ -58,3 +59,12 @@ def gc(ino: int) -> bytes:
 
 def counter(shard: int) -> bytes:
     return pack(NS, "c", shard)
+
+
+def answer(minute: int, op_id: bytes) -> bytes:
+    return pack(NS, "r", minute, op_id)
+
+
+def answers_before(minute: int) -> tuple[bytes, bytes]:
+    """Every recorded answer from before ``minute``."""
+    return pack(NS, "r"), pack(NS, "r", minute)

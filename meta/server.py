@@ -38,7 +38,7 @@ def serve_meta(
             store = MetaStore(db, chunk_remover=remover, root_layout=Layout(stripe=DEFAULT_STRIPE))
             store.format()
             service = MetaService(store, server, gc_interval=config.meta_service.gc_interval)
-            background = (service.run_gc,) if remover is not None else ()
+            background = (service.run_gc,)
             await serve_rpc(server, listen, http=http, background=background)
 
     try:

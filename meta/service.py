@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
+from kvfs import wire
 from kvfs.rpc import CallContext, RpcServer
 from meta.rpc import OPS, Operation
 from meta.store import MetaStore
@@ -38,16 +40,27 @@ class MetaService:
         fn = getattr(self.store, op.name)
         args = {name: getattr(request, name) for name in op.params}
         call = functools.partial(fn, request.caller, **args)
+        if not op.method.idempotent and request.op_id:
+            call = functools.partial(self._once, op, request.op_id, call)
         if self.store.db.inline:
             return op.method.response(call())  # a thread round trip costs more than a local transaction
         return op.method.response(await trio.to_thread.run_sync(call))
 
+    def _once(self, op: Operation, op_id: bytes, call: Callable[[], Any]) -> Any:
+        response = op.method.response
+        with self.store.answering_once(
+            op_id, lambda value: wire.encode_body(response(value)), lambda raw: wire.decode_body(response, raw).value
+        ):
+            return call()
+
     async def run_gc(self) -> None:
-        """Delete the chunks of removed files in the background, forever."""
+        """Expire old request answers and delete the chunks of removed files (when the store can reach the
+        chunk servers) in the background, forever."""
         while True:
             await trio.sleep(self.gc_interval)
             try:
-                done = await trio.to_thread.run_sync(self.store.gc_once)
+                await trio.to_thread.run_sync(self.store.expire_answers)
+                done = await trio.to_thread.run_sync(self.store.gc_once) if self.store.collects_chunks else 0
             except Exception:  # GC must never take the service down; the next round retries
                 log.exception("garbage collection round failed")
             else:

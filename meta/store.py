@@ -12,6 +12,8 @@ readdir returns real entries only: "." and ".." are the FUSE layer's business.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import os
 import random
@@ -19,6 +21,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import msgspec
@@ -47,6 +50,17 @@ ID_BLOCK = 1024
 _FIRST_ID = ROOT_INO + 1
 R_OK, W_OK, X_OK = 4, 2, 1
 _KILL_SUID = stat.S_ISUID | stat.S_ISGID
+#: How long an answer to a non-idempotent request is kept for retries of it (clients retry for ~30 s).
+ANSWER_MINUTES = 10
+
+
+class _Once(msgspec.Struct):
+    op_id: bytes
+    encode: Callable[[Any], bytes]
+    decode: Callable[[bytes], Any]
+
+
+_ONCE: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("kvfs_meta_once", default=None)
 
 _enc = msgspec.msgpack.Encoder()
 _dec_inode = msgspec.msgpack.Decoder(Inode)
@@ -218,6 +232,48 @@ class MetaStore:
         tr.clear_range(*schema.xattr_range(ino))
         tr.add(schema.INODE_COUNT, -1)
 
+    # ------------------------------------------------------------------ exactly once --------
+    @staticmethod
+    @contextlib.contextmanager
+    def answering_once(
+        op_id: bytes, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any]
+    ) -> Iterator[None]:
+        """Run the operation called inside at most once for ``op_id``, however often it is retried.
+
+        A client that loses its connection cannot know whether a create or rename ran; it retries with
+        the same id. The operation's transaction also records its answer under the id, so a retry that
+        finds the record returns that answer instead of running again (a create would say EEXIST, an
+        unlink ENOENT). Failed operations record nothing: they changed nothing, so running them again is
+        what the retry means. Records expire after ANSWER_MINUTES (:meth:`expire_answers`)."""
+        token = _ONCE.set(_Once(op_id, encode, decode))
+        try:
+            yield
+        finally:
+            _ONCE.reset(token)
+
+    def _write(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``db.run`` for the transaction of a non-idempotent operation (see :meth:`answering_once`)."""
+        once = _ONCE.get()
+        if once is None:
+            return self.db.run(fn, *args)
+
+        def run_once(tr: Transaction, *args: Any) -> Any:
+            minute = int(time.time() // 60)
+            for m in range(minute, minute - 3, -1):  # a retry comes within a minute or two of the first try
+                raw = tr.get(schema.answer(m, once.op_id))
+                if raw is not None:
+                    return once.decode(raw)
+            result = fn(tr, *args)
+            tr.set(schema.answer(minute, once.op_id), once.encode(result))
+            return result
+
+        return self.db.run(run_once, *args)
+
+    def expire_answers(self) -> None:
+        """Drop answers recorded more than ANSWER_MINUTES ago (one range clear)."""
+        minute = int(time.time() // 60)
+        self.db.run(lambda tr: tr.clear_range(*schema.answers_before(minute - ANSWER_MINUTES)))
+
     # ------------------------------------------------------------------ ids ---------------
     def _next_ino(self) -> int:
         """A never-used inode id.  Ids come in blocks of ID_BLOCK reserved in one small
@@ -331,7 +387,7 @@ class MetaStore:
         nanoseconds or ``"now"``.  Only the owner (or root) may chmod or set explicit times, only
         root may give a file away, an owner may chgrp to a group it belongs to; chown clears the
         set-id bits of non-directories; truncate needs write permission."""
-        return self.db.run(self._setattr, caller, ino, mode, uid, gid, size, atime, mtime)
+        return self._write(self._setattr, caller, ino, mode, uid, gid, size, atime, mtime)
 
     def _setattr(self, tr: Transaction, caller: Caller, ino: int, mode: int | None, uid: int | None,
                  gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec) -> Attr:
@@ -419,7 +475,7 @@ class MetaStore:
         return inode
 
     def _create_op(self, fn: Callable[..., Any], caller: Caller, parent: int, name: bytes | str, *args: Any) -> Any:
-        return self.db.run(fn, caller, parent, _check_name(name), self._next_ino(), *args)
+        return self._write(fn, caller, parent, _check_name(name), self._next_ino(), *args)
 
     def mkdir(self, caller: Caller, parent: int, name: bytes | str, mode: int) -> Attr:
         return self._create_op(self._mkdir, caller, parent, name, mode)
@@ -477,7 +533,7 @@ class MetaStore:
 
     # ------------------------------------------------------------------ links -------------
     def link(self, caller: Caller, ino: int, newparent: int, newname: bytes | str) -> Attr:
-        return self.db.run(self._link, caller, ino, newparent, _check_name(newname))
+        return self._write(self._link, caller, ino, newparent, _check_name(newname))
 
     def _link(self, tr: Transaction, caller: Caller, ino: int, newparent: int, newname: bytes) -> Attr:
         inode = self._live(tr, ino)
@@ -499,11 +555,11 @@ class MetaStore:
 
     def unlink(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
         """Remove a non-directory's name; returns the parent directory's new attributes."""
-        return self.db.run(self._remove, caller, parent, _check_name(name), False)
+        return self._write(self._remove, caller, parent, _check_name(name), False)
 
     def rmdir(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
         """Remove an empty directory; returns the parent directory's new attributes."""
-        return self.db.run(self._remove, caller, parent, _check_name(name), True)
+        return self._write(self._remove, caller, parent, _check_name(name), True)
 
     def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool) -> Attr:
         pdir = self._dir(tr, caller, parent)
@@ -533,7 +589,7 @@ class MetaStore:
     def rename(self, caller: Caller, parent: int, name: bytes | str, newparent: int, newname: bytes | str,
                flags: int = 0) -> None:
         """Atomic rename with Linux's RENAME_NOREPLACE / RENAME_EXCHANGE flags."""
-        self.db.run(self._rename, caller, parent, _check_name(name), newparent, _check_name(newname), flags)
+        self._write(self._rename, caller, parent, _check_name(name), newparent, _check_name(newname), flags)
 
     def _rename(self, tr: Transaction, caller: Caller, parent: int, name: bytes, newparent: int,
                 newname: bytes, flags: int) -> None:
@@ -670,10 +726,10 @@ class MetaStore:
             raise _err(errno.EINVAL, f"xattr flags {flags}")
         if len(value) > XATTR_SIZE_MAX:
             raise _err(errno.E2BIG, "xattr value")
-        self.db.run(self._change_xattr, caller, ino, _fsname(name), bytes(value), flags)
+        self._write(self._change_xattr, caller, ino, _fsname(name), bytes(value), flags)
 
     def removexattr(self, caller: Caller, ino: int, name: bytes | str) -> None:
-        self.db.run(self._change_xattr, caller, ino, _fsname(name), None, XATTR_REPLACE)
+        self._write(self._change_xattr, caller, ino, _fsname(name), None, XATTR_REPLACE)
 
     def _change_xattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes, value: bytes | None, flags: int) -> None:
         inode = self._xattr_target(tr, caller, ino, name, W_OK)
@@ -720,13 +776,13 @@ class MetaStore:
             self._touch(inode, mtime=False)
             self._put(tr, inode)
 
-        self.db.run(fn)
+        self._write(fn)
 
     # ------------------------------------------------------------------ sessions ----------
     def open(self, caller: Caller, ino: int, flags: int) -> Opened:
         """Check access for ``flags``; ``O_TRUNC`` truncates; opening a regular file for writing
         starts a write session that keeps its chunks alive until :meth:`close`."""
-        return self.db.run(self._open, caller, ino, flags)
+        return self._write(self._open, caller, ino, flags)
 
     def _open(self, tr: Transaction, caller: Caller, ino: int, flags: int) -> Opened:
         inode = self._live(tr, ino)
@@ -798,9 +854,14 @@ class MetaStore:
                     self._put(tr, inode)
             return inode.attr
 
-        return self.db.run(fn)
+        return self._write(fn)
 
     # ------------------------------------------------------------------ GC ----------------
+    @property
+    def collects_chunks(self) -> bool:
+        """Whether :meth:`gc_once` can run (the store was given a chunk remover)."""
+        return self._remover is not None
+
     def gc_once(self, limit: int = 64) -> int:
         """Collect up to ``limit`` queued inodes without write sessions: remove their chunks, then
         their records.  Returns how many were collected.  Chunk removal runs outside any

@@ -105,3 +105,33 @@ async def test_two_meta_processes_race_on_the_same_names(meta_addresses, tmp_pat
         assert check(db) == []  # no duplicate or dangling entries, right nlinks, no orphaned inodes
     finally:
         db.close()
+
+
+async def test_a_retried_non_idempotent_call_runs_once_and_gets_the_first_answer(meta_addresses):
+    """The case a crash leaves: the call ran, its answer was lost, the client sends it again (to any
+    instance) with the same op id. Without the recorded answer the retry would say EEXIST / ENOENT."""
+    from meta.rpc import OPS
+
+    async with RpcClient(TOKEN) as client:
+        first, second = meta_addresses
+        meta = RemoteMeta(client, [first])
+        d = await meta.mkdir(ROOT, 1, b"once", 0o755)
+        create = OPS["create"]
+        request = create.request(ROOT, (d.ino, b"f", 0o644), {}, b"op-1")
+        answer = await client.call(first, create.method, request)
+        again = await client.call(second, create.method, request)  # the retry, at the other instance
+        assert again.value.attr == answer.value.attr and again.value.session == answer.value.session
+        unlink = OPS["unlink"]
+        request = unlink.request(ROOT, (d.ino, b"f"), {}, b"op-2")
+        assert (await client.call(first, unlink.method, request)).value.ino == d.ino
+        assert (await client.call(first, unlink.method, request)).value.ino == d.ino  # not ENOENT
+        # a new op id is a new call: this one really finds the name gone
+        with pytest.raises(KvfsError) as info:
+            await client.call(first, unlink.method, unlink.request(ROOT, (d.ino, b"f"), {}, b"op-3"))
+        assert info.value.errno == errno.ENOENT
+        # a failed call records nothing, so its retry runs (and now succeeds)
+        mkdir = OPS["mkdir"]
+        request = mkdir.request(ROOT, (d.ino, b"sub", 0o755), {}, b"op-4")
+        with pytest.raises(KvfsError):
+            await client.call(first, mkdir.method, mkdir.request(Caller(1000, 1000), (d.ino, b"sub", 0o755), {}, b"op-4"))
+        assert (await client.call(first, mkdir.method, request)).value.ino > 0

@@ -481,3 +481,30 @@ def test_results_cross_the_wire(ms):
     page = ms.readdir(CAROL, ROOT_INO)
     for value, kind in ((o, Opened), (page, DirPage), (ms.statfs(CAROL), StatFs), (CAROL, Caller)):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=kind) == value
+
+
+def test_recorded_answers_expire(tmp_path, monkeypatch):
+    """Answers kept for retries go after ANSWER_MINUTES; until then a retry gets the first answer."""
+    import time as _time
+
+    from meta import schema, store as store_module
+    from meta.kv import open_database
+    from meta.kv.keys import pack
+
+    s = store_module.MetaStore(open_database(f"sqlite:///{tmp_path / 'm.db'}"))
+    s.format()
+    encode, decode = (lambda v: pack(v.ino)), (lambda raw: raw)
+    with s.answering_once(b"op", encode, decode):
+        attr = s.mkdir(ROOT, 1, b"d", 0o755)
+    with s.answering_once(b"op", encode, decode):
+        assert s.mkdir(ROOT, 1, b"d", 0o755) == pack(attr.ino)  # the recorded answer, no EEXIST
+
+    def answers() -> int:
+        return s.db.run(lambda tr: len(list(tr.get_range(*schema.answers_before(1 << 40)))))
+
+    s.expire_answers()
+    assert answers() == 1
+    now = _time.time()
+    monkeypatch.setattr(store_module.time, "time", lambda: now + 60 * (store_module.ANSWER_MINUTES + 1))
+    s.expire_answers()
+    assert answers() == 0

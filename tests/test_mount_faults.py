@@ -156,18 +156,10 @@ def progress_of(path: Path) -> int:
         return -1
 
 
-AMBIGUOUS_AFTER_KILL = (
-    "a non-idempotent call (create, rename, unlink) in flight when meta is SIGKILLed may or may not have run; "
-    "without server-side request deduplication the mount cannot retry it safely and returns ECONNRESET "
-    "(graceful restarts are exact: meta drains running calls and says GOAWAY before closing)")
-
-
-@pytest.mark.parametrize("sig", [
-    signal.SIGTERM,
-    pytest.param(signal.SIGKILL, marks=pytest.mark.xfail(strict=False, reason=AMBIGUOUS_AFTER_KILL)),
-])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_meta_restarts_during_a_metadata_loop(sig):
-    """Meta restarted at iterations 300 and 1,100: by SIGTERM (it drains running calls) or SIGKILL (they die)."""
+    """Meta restarted at iterations 300 and 1,100: by SIGTERM (it drains running calls) or SIGKILL (they die; a
+    call that ran but lost its answer is retried under its op id and meta answers it from the record)."""
     n = 2000
     with started("kvfs-fault-meta-") as c, tempfile.TemporaryDirectory(prefix="kvfs-progress-") as tmp:
         work = c.mount / "loop"
