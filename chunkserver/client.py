@@ -61,7 +61,7 @@ class StorageClient:
         rpc: RpcClient,
         mgmtd: MgmtdClient,
         *,
-        window: int = 16,
+        window: int = 32,
         retry_for: float = 120.0,
         call_timeout: float = 30.0,
     ) -> None:

@@ -121,8 +121,9 @@ class KvfsOperations(pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
         negative_timeout: float = 1.0,
-        write_buffer: int = 8 * MIB,
+        write_buffer: int = 16 * MIB,
         read_parallel: int = 8,
+        write_parallel: int = 16,
         readdir_page: int = 512,
         keep_cache: bool = False,
         groups_ttl: float = 1.0,
@@ -135,7 +136,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.negative_timeout = negative_timeout
         self.write_buffer = write_buffer
         self.read_limit = trio.CapacityLimiter(read_parallel)
-        self.write_limit = trio.CapacityLimiter(read_parallel)
+        self.write_limit = trio.CapacityLimiter(write_parallel)
         self.readdir_page = readdir_page
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
