@@ -119,12 +119,24 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
 @_config_option
 @click.argument("mountpoint", type=click.Path(file_okay=False, exists=True))
 @click.option("--read-ahead-kb", default=4096, show_default=True, help="Kernel readahead for the mount.")
-def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int) -> None:
-    """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled)."""
+@click.option("--attr-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds the kernel may keep a file's attributes without asking meta.")
+@click.option("--entry-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds the kernel may keep a name -> inode lookup without asking meta.")
+@click.option("--negative-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Seconds the kernel may remember that a name does not exist (0: never).")
+def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, attr_timeout: float,
+              entry_timeout: float, negative_timeout: float) -> None:
+    """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
+
+    The timeouts trade coherence for speed: this mount's own changes are seen at once, other clients' changes
+    after at most the timeout; longer ones save a metadata round trip per stat and path lookup."""
     from fuse.main import serve_mount
 
     config = _load(config_path)
-    _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb))
+    _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
+                                      attr_timeout=attr_timeout, entry_timeout=entry_timeout,
+                                      negative_timeout=negative_timeout))
 
 
 @main.command("up")

@@ -20,7 +20,9 @@ import tomllib
 import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
-from cluster_fixtures import NEEDS_FUSE, SERVICES, KvfsCluster, is_mounted, process_alive, started, wait_until
+from cluster_fixtures import (
+    KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, is_mounted, process_alive, started, wait_until,
+)
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE
@@ -289,3 +291,32 @@ def test_status_reports_every_process_down_when_mgmtd_is_down():
         c.down()
         report = c.status()
         assert not any(p["alive"] or p["pid"] for p in report["processes"]) and "error" in report
+
+
+def test_a_second_mount_with_long_cache_timeouts_sees_other_clients_changes_late(cluster, tmp_path):
+    """``kvfs mount --entry-timeout/--attr-timeout`` reach the kernel: a second client with 60 s timeouts
+    keeps answering from its cache after another client removed the file (the documented trade), and
+    rejects a negative timeout with a usage error."""
+    bad = cluster.kvfs("mount", "--config", str(cluster.config), "--attr-timeout", "-1", str(tmp_path), check=False)
+    assert bad.returncode == 2 and "--attr-timeout" in bad.stderr
+    second = tmp_path / "second"
+    second.mkdir()
+    daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), "--entry-timeout", "60",
+                               "--attr-timeout", "60", str(second)], cwd=REPO, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: is_mounted(second), 30, "the second mount")
+        (cluster.mount / "shared").write_bytes(b"x" * 10)
+        assert (second / "shared").stat().st_size == 10  # looked up once, cached for 60 s
+        (cluster.mount / "shared").unlink()
+        time.sleep(1.5)  # past the default 1 s timeouts
+        assert (second / "shared").stat().st_size == 10  # still the cached entry
+        with pytest.raises(FileNotFoundError):
+            (cluster.mount / "shared").stat()  # the mount that removed it knows at once
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        finally:
+            if is_mounted(second):
+                subprocess.run(["fusermount3", "-u", "-z", str(second)], capture_output=True)
