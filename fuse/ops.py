@@ -148,7 +148,8 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
-        self._closing = 0  # write sessions being ended in the background
+        self._closing = 0  # write sessions being ended in the background (queued or on their way)
+        self._to_close: list[tuple[int, int, int]] = []  # (ino, session, length) not yet sent
         # directory inode -> (attributes a create of ours just returned, expiry): see getattr
         self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
         self._closed = trio.Event()
@@ -651,22 +652,28 @@ class KvfsOperations(pyfuse3.Operations):
     def _close_in_background(self, caller: Caller, ino: int, session: int, size: int) -> None:
         """End a write session without making close(2) wait: the kernel ignores release's answer anyway, the
         length meta needs was reported when the buffers were flushed, and one round trip fewer per file is a
-        large share of a small file's cost. Orderly unmounts wait for these (``flush_all``)."""
+        large share of a small file's cost. Sessions to end queue up while a batch is on its way and go
+        together in one ``close_sessions`` call. Orderly unmounts wait for these (``flush_all``)."""
         if self.nursery is None:
             raise RuntimeError("KvfsOperations used outside run_mount")
+        self._to_close.append((ino, session, size))
         self._closing += 1
-        self.nursery.start_soon(self._close_session, caller, ino, session, size)
+        if self._closing == 1:  # nothing was queued or on its way, so no closer task runs: start one
+            self.nursery.start_soon(self._end_sessions, caller)
 
-    async def _close_session(self, caller: Caller, ino: int, session: int, size: int) -> None:
-        try:
-            await self.meta.close(caller, ino, session, size)
-        except Exception:
-            log.exception("closing the write session of inode %d", ino)
-        finally:
-            self._closing -= 1
-            if not self._closing:
-                self._closed.set()
-                self._closed = trio.Event()
+    async def _end_sessions(self, caller: Caller) -> None:
+        """Send queued session ends until none are left (a session needs no particular caller to end)."""
+        while self._to_close:
+            batch, self._to_close = self._to_close[:_CLOSE_BATCH], self._to_close[_CLOSE_BATCH:]
+            try:
+                await self.meta.close_sessions(caller, batch)
+            except Exception:
+                log.exception("ending %d write sessions (inodes %s...)", len(batch), [b[0] for b in batch[:5]])
+            finally:
+                self._closing -= len(batch)
+                if not self._closing:
+                    self._closed.set()
+                    self._closed = trio.Event()
 
     async def flush_all(self) -> None:
         """Write out every buffer and end every write session (before an orderly unmount)."""
@@ -677,6 +684,9 @@ class KvfsOperations(pyfuse3.Operations):
                 log.exception("flushing inode %d before unmount", st.ino)
         while self._closing:
             await self._closed.wait()
+
+
+_CLOSE_BATCH = 256
 
 
 async def _parallel(fn, pieces) -> None:

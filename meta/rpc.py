@@ -51,6 +51,7 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("set_layout", False),
     ("resolve", True),
     ("access", True),
+    ("close_sessions", True),
 )
 METHOD_BASE = 100
 

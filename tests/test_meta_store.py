@@ -508,3 +508,20 @@ def test_recorded_answers_expire(tmp_path, monkeypatch):
     monkeypatch.setattr(store_module.time, "time", lambda: now + 60 * (store_module.ANSWER_MINUTES + 1))
     s.expire_answers()
     assert answers() == 0
+
+
+def test_close_sessions_ends_many_in_one_call_and_a_retry_changes_nothing(ms, remover):
+    a = ms.create(ROOT, 1, "a", 0o644)
+    b = ms.create(ROOT, 1, "b", 0o644)
+    gone = ms.create(ROOT, 1, "gone", 0o644)
+    ms.close(ROOT, gone.attr.ino, gone.session)
+    ms.unlink(ROOT, 1, "gone")
+    assert ms.gc_once() == 1  # its inode no longer exists
+    batch = [(a.attr.ino, a.session, 10), (b.attr.ino, b.session, 20), (gone.attr.ino, gone.session, 5)]
+    assert ms.close_sessions(ROOT, batch) == 2
+    assert ms.getattr(ROOT, a.attr.ino).size == 10 and ms.getattr(ROOT, b.attr.ino).size == 20
+    ms.setattr(ROOT, a.attr.ino, size=3)
+    assert ms.close_sessions(ROOT, batch) == 0  # a retry: sessions already ended, nothing changes
+    assert ms.getattr(ROOT, a.attr.ino).size == 3
+    ms.unlink(ROOT, 1, "a")
+    assert ms.gc_once() == 1  # no session holds it any more
