@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
@@ -64,6 +65,8 @@ class RemoteMeta:
                 if not (method.idempotent or getattr(request, "op_id", b"")):
                     raise
                 error = exc
+            if getattr(request, "op_id", b"") and not request.op_retry:
+                request = msgspec.structs.replace(request, op_retry=True)
             self._current = next(self._next)
             if self._current == 0:
                 await trio.sleep(min(0.05 * (1 + attempt // len(self._addresses)), 0.5))

@@ -106,6 +106,7 @@ def _derive(name: str, position: int, idempotent: bool) -> Operation:
         fields.append((p.name, kind) if p.default is inspect.Parameter.empty else (p.name, kind, p.default))
     if not idempotent:  # see MetaStore.answering_once; empty: run as sent (an older client)
         fields.append(("op_id", bytes, b""))
+        fields.append(("op_retry", bool, False))  # set on re-sends: only those can find a recorded answer
     title = "".join(part.title() for part in name.split("_"))
     request = msgspec.defstruct(f"{title}Request", fields, kw_only=True, module=__name__)
     response = msgspec.defstruct(f"{title}Response", [("value", hints.get("return", Any))], module=__name__)

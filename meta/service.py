@@ -41,15 +41,18 @@ class MetaService:
         args = {name: getattr(request, name) for name in op.params}
         call = functools.partial(fn, request.caller, **args)
         if not op.method.idempotent and request.op_id:
-            call = functools.partial(self._once, op, request.op_id, call)
+            call = functools.partial(self._once, op, request.op_id, request.op_retry, call)
         if self.store.db.inline:
             return op.method.response(call())  # a thread round trip costs more than a local transaction
         return op.method.response(await trio.to_thread.run_sync(call))
 
-    def _once(self, op: Operation, op_id: bytes, call: Callable[[], Any]) -> Any:
+    def _once(self, op: Operation, op_id: bytes, retry: bool, call: Callable[[], Any]) -> Any:
         response = op.method.response
         with self.store.answering_once(
-            op_id, lambda value: wire.encode_body(response(value)), lambda raw: wire.decode_body(response, raw).value
+            op_id,
+            lambda value: wire.encode_body(response(value)),
+            lambda raw: wire.decode_body(response, raw).value,
+            retry=retry,
         ):
             return call()
 

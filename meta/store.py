@@ -58,6 +58,7 @@ class _Once(msgspec.Struct):
     op_id: bytes
     encode: Callable[[Any], bytes]
     decode: Callable[[bytes], Any]
+    retry: bool
 
 
 _ONCE: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("kvfs_meta_once", default=None)
@@ -236,7 +237,7 @@ class MetaStore:
     @staticmethod
     @contextlib.contextmanager
     def answering_once(
-        op_id: bytes, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any]
+        op_id: bytes, encode: Callable[[Any], bytes], decode: Callable[[bytes], Any], *, retry: bool = True
     ) -> Iterator[None]:
         """Run the operation called inside at most once for ``op_id``, however often it is retried.
 
@@ -244,8 +245,9 @@ class MetaStore:
         the same id. The operation's transaction also records its answer under the id, so a retry that
         finds the record returns that answer instead of running again (a create would say EEXIST, an
         unlink ENOENT). Failed operations record nothing: they changed nothing, so running them again is
-        what the retry means. Records expire after ANSWER_MINUTES (:meth:`expire_answers`)."""
-        token = _ONCE.set(_Once(op_id, encode, decode))
+        what the retry means. Records expire after ANSWER_MINUTES (:meth:`expire_answers`). ``retry=False``
+        says this is the id's first try, which cannot have a record: it only records (no lookups)."""
+        token = _ONCE.set(_Once(op_id, encode, decode, retry))
         try:
             yield
         finally:
@@ -259,7 +261,7 @@ class MetaStore:
 
         def run_once(tr: Transaction, *args: Any) -> Any:
             minute = int(time.time() // 60)
-            for m in range(minute, minute - 3, -1):  # a retry comes within a minute or two of the first try
+            for m in range(minute, minute - 3, -1) if once.retry else ():  # retries come within 1-2 minutes
                 raw = tr.get(schema.answer(m, once.op_id))
                 if raw is not None:
                     return once.decode(raw)
