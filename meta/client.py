@@ -55,6 +55,7 @@ class RemoteMeta:
         harmlessly, and the others carry an op id under which meta answers a retry with the first answer
         (:meth:`meta.store.MetaStore.answering_once`)."""
         error: Exception | None = None
+        retry_safe = method.idempotent or bool(getattr(request, "op_id", b""))
         for attempt in range(self._rounds * len(self._addresses)):
             address = self._addresses[self._current]
             try:
@@ -62,10 +63,10 @@ class RemoteMeta:
             except ServiceUnavailable as exc:  # never reached the service: safe to go elsewhere
                 error = exc
             except (ConnectionLost, RpcTimeout) as exc:
-                if not (method.idempotent or getattr(request, "op_id", b"")):
+                if not retry_safe:
                     raise
                 error = exc
-            if getattr(request, "op_id", b"") and not request.op_retry:
+            if not method.idempotent and not request.op_retry:  # from now on meta may hold an answer
                 request = msgspec.structs.replace(request, op_retry=True)
             self._current = next(self._next)
             if self._current == 0:
