@@ -149,7 +149,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
         self._closing = 0  # write sessions being ended in the background (queued or on their way)
-        self._to_close: list[tuple[int, int, int]] = []  # (ino, session, length) not yet sent
+        self._to_close: list[tuple[int, int, None]] = []  # (ino, session, no exact length) not yet sent
         # directory inode -> (attributes a create of ours just returned, expiry): see getattr
         self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
         self._closed = trio.Event()
@@ -647,16 +647,21 @@ class KvfsOperations(pyfuse3.Operations):
             if not st.handles:
                 self._inodes.pop(st.ino, None)
             if h.session is not None:
-                self._close_in_background(h.caller, st.ino, h.session, st.size)
+                self._close_in_background(h.caller, st.ino, h.session)
 
-    def _close_in_background(self, caller: Caller, ino: int, session: int, size: int) -> None:
+    def _close_in_background(self, caller: Caller, ino: int, session: int) -> None:
         """End a write session without making close(2) wait: the kernel ignores release's answer anyway, the
         length meta needs was reported when the buffers were flushed, and one round trip fewer per file is a
         large share of a small file's cost. Sessions to end queue up while a batch is on its way and go
-        together in one ``close_sessions`` call. Orderly unmounts wait for these (``flush_all``)."""
+        together in one ``close_sessions`` call. Orderly unmounts wait for these (``flush_all``).
+
+        No exact length goes with them: the kernel sends RELEASE after close(2) has returned, so a later open of
+        the same file may already have written (and reported) more by the time this session ends, and an exact
+        length from here would cut those bytes off. Flushes report every write's end, and truncation goes to
+        meta itself, so meta's length is already right."""
         if self.nursery is None:
             raise RuntimeError("KvfsOperations used outside run_mount")
-        self._to_close.append((ino, session, size))
+        self._to_close.append((ino, session, None))
         self._closing += 1
         if self._closing == 1:  # nothing was queued or on its way, so no closer task runs: start one
             self.nursery.start_soon(self._end_sessions, caller)

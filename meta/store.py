@@ -854,7 +854,7 @@ class MetaStore:
 
         return self._write(fn)
 
-    def close_sessions(self, caller: Caller, sessions: list[tuple[int, int, int]]) -> int:
+    def close_sessions(self, caller: Caller, sessions: list[tuple[int, int, int | None]]) -> int:
         """:meth:`close` of many ``(ino, session, exact_length)`` in one transaction: a mount ending the
         sessions of many small files sends them together instead of a round trip each. Sessions already
         ended (a retry) and inodes already gone are skipped; returns how many sessions this call ended."""
