@@ -396,7 +396,7 @@ def test_sessions_length_and_gc(ms, remover):
     files = ms.statfs(ROOT).files
     assert ms.gc_once() == 1
     (r_ino, r_layout, r_len), = remover.removed
-    assert (r_ino, r_len) == (ino, 4200) and r_layout.chunk_size == 1 << 20 and r_layout.seed != 0
+    assert (r_ino, r_len) == (ino, 4200) and r_layout.chunk_size == Layout().chunk_size and r_layout.seed != 0
     fails(errno.ENOENT, ms.getattr, ROOT, ino)
     assert ms.statfs(ROOT).files == files - 1
     assert ms.gc_once() == 0
@@ -418,7 +418,7 @@ def test_gc_needs_remover(db):
 
 # ----------------------------------------------------------------------------- layouts ---------
 def test_layout_inheritance(ms):
-    assert ms.get_layout(ROOT, ROOT_INO) == Layout(chain_table=1, chunk_size=1 << 20, stripe=1, seed=0)
+    assert ms.get_layout(ROOT, ROOT_INO) == Layout(chain_table=1, chunk_size=4 << 20, stripe=1, seed=0)
     d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
     wide = Layout(chain_table=2, chunk_size=4 << 20, stripe=8)
     fails(errno.EPERM, ms.set_layout, BOB, d.ino, wide)
