@@ -43,6 +43,8 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 * 1024
 XATTR_CREATE = 1
 XATTR_REPLACE = 2
+LAYOUT_XATTR = b"kvfs.layout"
+"""Virtual xattr (not listed, not stored as one) that shows an inode's layout and sets a directory's."""
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 ID_SHARDS = 16  # fixed forever: together with ID_BLOCK it defines which ids a shard owns
@@ -714,7 +716,11 @@ class MetaStore:
         return inode
 
     def getxattr(self, caller: Caller, ino: int, name: bytes | str) -> bytes:
-        return self.db.run(self._getxattr, caller, ino, _fsname(name))
+        name = _fsname(name)
+        if name == LAYOUT_XATTR:
+            inode = self.db.run(self._inode, ino)
+            return (inode.layout or self._root_layout).describe(with_seed=not _is_dir(inode))
+        return self.db.run(self._getxattr, caller, ino, name)
 
     def _getxattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes) -> bytes:
         self._xattr_target(tr, caller, ino, name, R_OK)
@@ -728,10 +734,21 @@ class MetaStore:
             raise _err(errno.EINVAL, f"xattr flags {flags}")
         if len(value) > XATTR_SIZE_MAX:
             raise _err(errno.E2BIG, "xattr value")
-        self._write(self._change_xattr, caller, ino, _fsname(name), bytes(value), flags)
+        name = _fsname(name)
+        if name == LAYOUT_XATTR:
+            try:
+                layout = self.get_layout(caller, ino).changed_by(bytes(value))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise _err(errno.EINVAL, f"{LAYOUT_XATTR.decode()}: {e}") from None
+            self.set_layout(caller, ino, layout)
+            return
+        self._write(self._change_xattr, caller, ino, name, bytes(value), flags)
 
     def removexattr(self, caller: Caller, ino: int, name: bytes | str) -> None:
-        self._write(self._change_xattr, caller, ino, _fsname(name), None, XATTR_REPLACE)
+        name = _fsname(name)
+        if name == LAYOUT_XATTR:
+            raise _err(errno.EINVAL, f"{LAYOUT_XATTR.decode()} cannot be removed; set the fields to change instead")
+        self._write(self._change_xattr, caller, ino, name, None, XATTR_REPLACE)
 
     def _change_xattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes, value: bytes | None, flags: int) -> None:
         inode = self._xattr_target(tr, caller, ino, name, W_OK)
@@ -766,8 +783,10 @@ class MetaStore:
     def set_layout(self, caller: Caller, ino: int, layout: Layout) -> None:
         """Set what new children of directory ``ino`` inherit (owner or root only)."""
         cs = layout.chunk_size
-        if cs & (cs - 1) or not 64 * 1024 <= cs <= 64 * 1024 * 1024 or layout.stripe < 1 or layout.chain_table < 0:
-            raise _err(errno.EINVAL, f"layout {layout}")
+        if cs & (cs - 1) or not 64 * 1024 <= cs <= 64 * 1024 * 1024:
+            raise _err(errno.EINVAL, f"chunk_size {cs} is not a power of two from 64 KiB to 64 MiB")
+        if layout.stripe < 1 or layout.chain_table < 0:
+            raise _err(errno.EINVAL, f"layout {layout}: stripe must be at least 1")
 
         def fn(tr: Transaction) -> None:
             inode = self._inode(tr, ino)

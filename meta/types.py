@@ -38,6 +38,35 @@ class Layout(msgspec.Struct, frozen=True):
     stripe: int = 1
     seed: int = 0
 
+    def describe(self, *, with_seed: bool) -> bytes:
+        """The ``kvfs.layout`` xattr value: ``key=value`` pairs (a file also shows its placement seed)."""
+        fields = f"chain_table={self.chain_table} chunk_size={self.chunk_size} stripe={self.stripe}"
+        return (fields + f" seed={self.seed}" if with_seed else fields).encode()
+
+    def changed_by(self, text: bytes | str) -> Layout:
+        """This layout with the ``key=value`` pairs of ``text`` applied (``chunk_size=1M stripe=8``; sizes take
+        K/M/G suffixes). Keys left out keep their values. The seed is per file; the chain table is not settable
+        here (meta cannot check that it exists). ValueError names what is wrong; ranges are checked by
+        :meth:`meta.store.MetaStore.set_layout`."""
+        raw = text.decode() if isinstance(text, bytes) else text
+        changes: dict[str, int] = {}
+        for pair in raw.replace(",", " ").split():
+            key, sep, value = pair.partition("=")
+            if not sep or key not in _SETTABLE_LAYOUT_FIELDS:
+                raise ValueError(f"{pair!r}: expected one of {', '.join(_SETTABLE_LAYOUT_FIELDS)} as key=value")
+            scale = _SIZE_SUFFIXES.get(value[-1:].upper(), 1)
+            digits = value[:-1] if scale != 1 else value
+            if not digits.isdigit():
+                raise ValueError(f"{pair!r}: not a non-negative integer")
+            changes[key] = int(digits) * scale
+        if not changes:
+            raise ValueError("no key=value pairs")
+        return msgspec.structs.replace(self, **changes)
+
+
+_SETTABLE_LAYOUT_FIELDS = ("chunk_size", "stripe")
+_SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
 
 class Attr(msgspec.Struct):
     ino: int

@@ -189,6 +189,20 @@ def test_xattrs(d):
     assert os.getxattr(d / "dir", "user.d") == b"dir"
 
 
+def test_layout_xattr_sets_the_chunk_size_of_new_files(d):
+    db = d / "db"
+    os.mkdir(db)
+    os.setxattr(db, "kvfs.layout", b"chunk_size=64K")
+    assert os.getxattr(db, "kvfs.layout").split()[1] == b"chunk_size=65536"
+    data = os.urandom(300 * 1024)  # five chunks of 64 KiB
+    (db / "f").write_bytes(data)
+    assert os.getxattr(db / "f", "kvfs.layout").split()[1] == b"chunk_size=65536"
+    assert (db / "f").read_bytes() == data
+    assert err(os.setxattr, db, "kvfs.layout", b"chunk_size=100000") == errno.EINVAL
+    assert err(os.setxattr, db / "f", "kvfs.layout", b"stripe=2") == errno.ENOTDIR
+    assert "kvfs.layout" not in os.listxattr(db)
+
+
 def test_statfs(mount):
     st = os.statvfs(mount.path)
     assert st.f_bsize > 0 and st.f_blocks > 0 and 0 < st.f_bfree <= st.f_blocks

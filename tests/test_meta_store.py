@@ -16,6 +16,7 @@ from meta.kv import SqliteDatabase
 from meta.kv.keys import pack
 from meta.placement import chunk_chain, permutation, splitmix64
 from meta.store import (
+    LAYOUT_XATTR,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
@@ -525,3 +526,22 @@ def test_close_sessions_ends_many_in_one_call_and_a_retry_changes_nothing(ms, re
     assert ms.getattr(ROOT, a.attr.ino).size == 3
     ms.unlink(ROOT, 1, "a")
     assert ms.gc_once() == 1  # no session holds it any more
+
+
+def test_layout_xattr_shows_and_sets_a_directory_layout(ms):
+    d = ms.mkdir(ALICE, ROOT_INO, b"db", 0o755).ino
+    assert ms.getxattr(BOB, d, LAYOUT_XATTR) == b"chain_table=1 chunk_size=4194304 stripe=1"
+    ms.setxattr(ALICE, d, "kvfs.layout", b"chunk_size=256K")
+    ms.setxattr(ALICE, d, LAYOUT_XATTR, b"stripe=4")  # other fields keep their values
+    assert ms.get_layout(ALICE, d) == Layout(chain_table=1, chunk_size=256 * 1024, stripe=4)
+    f = ms.create(ALICE, d, b"f", 0o644, os.O_WRONLY).attr.ino
+    shown = ms.getxattr(ALICE, f, LAYOUT_XATTR)
+    assert shown.startswith(b"chain_table=1 chunk_size=262144 stripe=4 seed=") and not shown.endswith(b"seed=0")
+    assert LAYOUT_XATTR not in ms.listxattr(ALICE, d)
+    for bad in (b"chunk_size=3M", b"chunk_size=32K", b"chunk_size=128M", b"stripe=0", b"seed=5", b"chain_table=2",
+                b"chunk_size", b"chunk_size=lots", b"", b"\xff"):
+        fails(errno.EINVAL, ms.setxattr, ALICE, d, LAYOUT_XATTR, bad)
+    fails(errno.EPERM, ms.setxattr, BOB, d, LAYOUT_XATTR, b"stripe=2")  # owner or root only
+    fails(errno.ENOTDIR, ms.setxattr, ALICE, f, LAYOUT_XATTR, b"stripe=2")  # a file's chunks are placed already
+    fails(errno.EINVAL, ms.removexattr, ALICE, d, LAYOUT_XATTR)
+    assert ms.get_layout(ALICE, d) == Layout(chain_table=1, chunk_size=256 * 1024, stripe=4)
