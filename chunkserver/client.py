@@ -236,8 +236,8 @@ class StorageClient:
         first_gone = -(-new_length // size)
         await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
 
-    async def remove_file(self, ino: int, layout: LayoutLike, length: int) -> None:
-        await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, 0))
+    async def remove_files(self, inodes: list[int]) -> None:
+        await self._all_nodes(p.REMOVE_FILES, p.RemoveFiles(inodes))
 
     async def capacity(self) -> tuple[int, int]:
         """(total, free) bytes a user can store: raw space divided by the replication factor."""
@@ -259,5 +259,5 @@ class SyncChunkRemover:
     def __init__(self, storage: StorageClient) -> None:
         self._storage = storage
 
-    def remove_file_chunks(self, ino: int, layout: Any, length: int) -> None:
-        trio.from_thread.run(self._storage.remove_file, ino, layout, length)
+    def remove_chunks(self, inodes: list[int]) -> None:
+        trio.from_thread.run(self._storage.remove_files, inodes)

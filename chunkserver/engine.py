@@ -181,6 +181,9 @@ def _checked_block_crcs(what: str, data: memoryview, crc: int) -> list[int]:
     return blocks
 
 
+_SQL_BATCH = 500  # inodes per DELETE (SQLite allows 32766 parameters)
+
+
 def _enospc(what: str) -> KvfsError:
     return KvfsError(what, errno.ENOSPC)
 
@@ -634,11 +637,18 @@ class ChunkEngine:
         """Delete a chunk, committed and pending; False if it was not there."""
         return self._remove("inode=? AND idx=?", tuple(chunk_id), [chunk_id]) > 0
 
-    def remove_file(self, inode: int) -> int:
-        """Delete every chunk of ``inode``; returns how many there were."""
+    def remove_files(self, inodes: list[int]) -> int:
+        """Delete every chunk of these inodes in one transaction; returns how many chunks there were."""
         with self._lock:
-            ids = [ChunkId(inode, x) for x in self._chunks.get(inode, {})]
-        return self._remove("inode=?", (inode,), ids)
+            inodes = [i for i in inodes if i in self._chunks]
+            ids = [ChunkId(i, x) for i in inodes for x in self._chunks[i]]
+        removed = 0
+        for start in range(0, len(inodes), _SQL_BATCH):
+            part = inodes[start : start + _SQL_BATCH]
+            mine = set(part)
+            removed += self._remove(f"inode IN ({','.join('?' * len(part))})", tuple(part),
+                                    [c for c in ids if c.inode in mine])
+        return removed
 
     def _remove(self, where: str, args: tuple, ids: list[ChunkId]) -> int:
         with self._db_lock:

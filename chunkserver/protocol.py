@@ -66,6 +66,12 @@ class RemoveChunks(msgspec.Struct, array_like=True):
     from_index: int = 0
 
 
+class RemoveFiles(msgspec.Struct, array_like=True):
+    """Remove every chunk of each of ``inodes`` on every target of this server (garbage collection)."""
+
+    inodes: list[int]
+
+
 class Removed(msgspec.Struct, array_like=True):
     count: int
 
@@ -110,3 +116,4 @@ REMOVE = Method(305, "chunk.remove", RemoveChunks, Removed, idempotent=True)
 LAST_CHUNK = Method(306, "chunk.last_chunk", LastChunkQuery, LastChunk, idempotent=True)
 SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
 CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)
+REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempotent=True)

@@ -141,6 +141,7 @@ class ChunkServer:
             (p.VERSION_QUERY, self._on_version_query),
             (p.FETCH, self._on_fetch),
             (p.REMOVE, self._on_remove),
+            (p.REMOVE_FILES, self._on_remove_files),
             (p.LAST_CHUNK, self._on_last_chunk),
             (p.SPACE, self._on_space),
             (p.CHUNK_STAT, self._on_chunk_stat),
@@ -475,6 +476,10 @@ class ChunkServer:
             return count
 
         return p.Removed(await trio.to_thread.run_sync(remove))
+
+    async def _on_remove_files(self, req: p.RemoveFiles, data: Any, ctx: CallContext) -> p.Removed:
+        return p.Removed(await trio.to_thread.run_sync(
+            lambda: sum(engine.remove_files(req.inodes) for engine in self.engines.values())))
 
     async def _on_last_chunk(self, req: p.LastChunkQuery, data: Any, ctx: CallContext) -> p.LastChunk:
         last = p.LastChunk(-1, 0)

@@ -33,8 +33,8 @@ class FileStorage(Protocol):
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""
 
-    async def remove_file(self, ino: int, layout: LayoutLike, length: int) -> None:
-        """Free every chunk of a file (garbage collection of removed files)."""
+    async def remove_files(self, inodes: list[int]) -> None:
+        """Free every chunk of these files (garbage collection of removed files: a batch per call)."""
 
     async def capacity(self) -> tuple[int, int]:
         """(total, free) bytes across the cluster, for statfs."""

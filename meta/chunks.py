@@ -5,23 +5,23 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from .types import Layout
 
 
 class ChunkRemover(Protocol):
-    """Deletes every chunk of a removed file.  Must be idempotent: GC may call it again for the
-    same inode after a crash between removing chunks and deleting the inode record."""
+    """Deletes every chunk of removed files, a batch at a time (one call per chunk server, not per file).
+    Must be idempotent: GC may call it again for the same inodes after a crash between removing chunks and
+    deleting the inode records. Placement does not matter: every server drops whatever it holds of them."""
 
-    def remove_file_chunks(self, ino: int, layout: Layout, length: int) -> None: ...
+    def remove_chunks(self, inodes: list[int]) -> None: ...
 
 
 class MemoryChunkRemover:
     """In-process stand-in for tests and single-process use: records what it was asked to remove."""
 
     def __init__(self) -> None:
-        self.removed: list[tuple[int, Layout, int]] = []
+        self.removed: list[int] = []
         self._lock = threading.Lock()
 
-    def remove_file_chunks(self, ino: int, layout: Layout, length: int) -> None:
+    def remove_chunks(self, inodes: list[int]) -> None:
         with self._lock:
-            self.removed.append((ino, layout, length))
+            self.removed.extend(inodes)

@@ -43,6 +43,7 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 * 1024
 XATTR_CREATE = 1
 XATTR_REPLACE = 2
+_GC_SCAN_FACTOR = 16  # queued inodes gc_once looks at per inode it may collect
 LAYOUT_XATTR = b"kvfs.layout"
 """Virtual xattr (not listed, not stored as one) that shows an inode's layout and sets a directory's."""
 RENAME_NOREPLACE = 1
@@ -913,24 +914,28 @@ class MetaStore:
         if self._remover is None:
             raise KvfsError("gc_once needs a chunk_remover", errno.ENOSYS)
 
-        def pending(tr: Transaction) -> list[Inode]:
-            out = []
-            for key, _ in tr.get_range(*schema.GC_RANGE, limit=limit, snapshot=True):
+        def pending(tr: Transaction) -> list[int]:
+            out = []  # queued files still open are passed over, so they cannot hold up the ones behind them
+            for key, _ in tr.get_range(*schema.GC_RANGE, limit=limit * _GC_SCAN_FACTOR, snapshot=True):
                 ino = unpack(key)[-1]
-                raw = tr.get(schema.inode(ino), snapshot=True)
-                if raw is not None and not self._sessions(tr, ino, snapshot=True):
-                    out.append(_dec_inode.decode(raw))
+                if tr.get(schema.inode(ino), snapshot=True) is not None and not self._sessions(tr, ino, snapshot=True):
+                    out.append(ino)
+                    if len(out) == limit:
+                        break
             return out
 
-        done = 0
-        for inode in self.db.run(pending):
-            self._remover.remove_file_chunks(inode.attr.ino, inode.layout or self._root_layout, inode.attr.size)
-            done += self.db.run(self._gc_finish, inode.attr.ino)
-        return done
+        inodes = self.db.run(pending)
+        if not inodes:
+            return 0
+        self._remover.remove_chunks(inodes)
+        return self.db.run(self._gc_finish, inodes)
 
-    def _gc_finish(self, tr: Transaction, ino: int) -> int:
-        if tr.get(schema.gc(ino)) is None or self._sessions(tr, ino):
-            return 0  # another instance finished it, or (never expected) a session appeared
-        tr.clear(schema.gc(ino))
-        self._delete_inode(tr, ino)
-        return 1
+    def _gc_finish(self, tr: Transaction, inodes: list[int]) -> int:
+        done = 0
+        for ino in inodes:
+            if tr.get(schema.gc(ino)) is None or self._sessions(tr, ino):
+                continue  # another instance finished it, or (never expected) a session appeared
+            tr.clear(schema.gc(ino))
+            self._delete_inode(tr, ino)
+            done += 1
+        return done

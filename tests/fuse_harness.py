@@ -109,8 +109,8 @@ class LocalFileStorage:
     async def truncate(self, ino, layout, old_length, new_length):
         await trio.to_thread.run_sync(self._truncate_sync, ino, layout.chunk_size, new_length)
 
-    async def remove_file(self, ino, layout, length):
-        await trio.to_thread.run_sync(self.engine.remove_file, ino)
+    async def remove_files(self, inodes):
+        await trio.to_thread.run_sync(self.engine.remove_files, inodes)
 
     async def capacity(self):
         total, _used, free = await trio.to_thread.run_sync(self.engine.space)
@@ -123,8 +123,8 @@ class StorageChunkRemover:
     def __init__(self, engine: ChunkEngine) -> None:
         self.engine = engine
 
-    def remove_file_chunks(self, ino, layout, length) -> None:
-        self.engine.remove_file(ino)
+    def remove_chunks(self, inodes) -> None:
+        self.engine.remove_files(inodes)
 
 
 # ---------------------------------------------------------------------------------- server

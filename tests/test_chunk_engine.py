@@ -134,7 +134,7 @@ def test_list_remove_truncate(eng: ChunkEngine) -> None:
     with pytest.raises(KvfsError) as ei:
         eng.read(ChunkId(1, 1), 0, 1)
     assert ei.value.errno == errno.ENOENT
-    assert eng.remove_file(1) == 2 and list(eng.list_chunks(1)) == []
+    assert eng.remove_files([1, 7]) == 2 and list(eng.list_chunks(1)) == []
     put(eng, C, 1, 0, os.urandom(3 * BLOCK))
     before = content(eng, C)
     m = eng.truncate(C, BLOCK + 10, 2)

@@ -190,5 +190,5 @@ async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path)
         out = bytearray(len(kept))
         await storage.read(11, LAYOUT, 0, memoryview(out))
         assert out == kept
-        await storage.remove_file(12, LAYOUT, 16 << 20)  # space comes back: writes work again
+        await storage.remove_files([12])  # space comes back: writes work again
         await storage.write(12, LAYOUT, 0, kept)
