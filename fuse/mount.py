@@ -106,7 +106,7 @@ async def run_mount(
     SIGTERM/SIGINT (dirty buffers are written out, then the mount is removed).
 
     ``ops_options`` go to :class:`KvfsOperations` (entry_timeout, attr_timeout, negative_timeout,
-    write_buffer, read_parallel, readdir_page, keep_cache).  ``task_status.started()`` is called once the
+    write_buffer, read_parallel, readdir_page, keep_cache, read_cache).  ``task_status.started()`` is called once the
     mount exists, so ``await nursery.start(run_mount, ...)`` returns when it may be used."""
     ops = KvfsOperations(meta, storage, **ops_options)
     mountpoint = os.path.realpath(mountpoint)  # resolve now: after mounting, a stat would wait for us

@@ -29,6 +29,9 @@ import trio
 from kvfs.aio import one_error
 from meta.types import Attr, Caller, Layout, Opened
 
+from .cache import BLOCK as CACHE_BLOCK
+from .cache import BlockCache, Stamp
+
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -74,6 +77,8 @@ class _InodeState:
     ino: int
     layout: Layout
     size: int  # the length as this mount knows it: meta's, extended by local writes, set by truncate
+    stamp: Stamp = (0, 0)  # (mtime_ns, size) meta gave at the latest open: what cached blocks are read under
+    changes: int = 0  # local writes and truncations so far: a cache fill that raced one must not be kept
     handles: set = field(default_factory=set)
 
     def dirty(self) -> bool:
@@ -127,6 +132,7 @@ class KvfsOperations(pyfuse3.Operations):
         readdir_page: int = 512,
         keep_cache: bool = False,
         groups_ttl: float = 1.0,
+        read_cache: int = 256 * MIB,
     ) -> None:
         super().__init__()
         self.meta = meta
@@ -140,6 +146,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.readdir_page = readdir_page
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
+        self.cache = BlockCache(read_cache) if read_cache else None
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._inodes: dict[int, _InodeState] = {}
@@ -267,6 +274,9 @@ class KvfsOperations(pyfuse3.Operations):
         if new_size is not None:
             if st is not None:
                 st.size = new_size
+                self._changed(st)
+            elif self.cache is not None:
+                self.cache.drop(inode)
             if old is not None and new_size < old:
                 layout = st.layout if st is not None else await self._layout(caller, inode)
                 await self.storage.truncate(inode, layout, old, new_size)
@@ -439,6 +449,9 @@ class KvfsOperations(pyfuse3.Operations):
                 st = self._inodes[attr.ino] = _InodeState(attr.ino, layout, attr.size)
         if not st.dirty():
             st.size = attr.size
+        st.stamp = (attr.mtime_ns, attr.size)
+        if self.cache is not None:
+            self.cache.opened(attr.ino, st.stamp)
         h = _Handle(self._new_fh(), st, flags, caller, session)
         st.handles.add(h)
         self._handles[h.fh] = h
@@ -463,6 +476,7 @@ class KvfsOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC and stat.S_ISREG(opened.attr.mode):
             st = self._inodes[inode]
             st.size = 0
+            self._changed(st)
             if old:
                 await self.storage.truncate(inode, st.layout, old, 0)
         return fi
@@ -498,6 +512,8 @@ class KvfsOperations(pyfuse3.Operations):
         end = min(off + size, st.size)
         if end <= off:
             return b""
+        if self.cache is not None and end - off <= _CACHED_READ:
+            return await self._read_cached(st, off, end)
         out = bytearray(end - off)
         view = memoryview(out)
         pieces = list(_chunk_pieces(st.layout.chunk_size, off, end - off))
@@ -511,6 +527,46 @@ class KvfsOperations(pyfuse3.Operations):
             await _parallel(one, pieces)
         return out
 
+    async def _read_cached(self, st: _InodeState, off: int, end: int) -> bytearray:
+        """A small read from whole cached blocks, fetching the missing ones (see fuse/cache.py)."""
+        assert self.cache is not None
+        first, last = off // CACHE_BLOCK, (end - 1) // CACHE_BLOCK
+        blocks = {i: self.cache.get(st.ino, i) for i in range(first, last + 1)}
+        missing = [i for i, b in blocks.items() if b is None or len(b) < min(CACHE_BLOCK, st.size - i * CACHE_BLOCK)]
+        if missing:
+            changes, stamp = st.changes, st.stamp
+
+            async def fetch(index: int) -> None:
+                start = index * CACHE_BLOCK  # a block never spans chunks: chunk sizes are multiples of it
+                data = bytearray(min(CACHE_BLOCK, st.size - start))
+                async with self.read_limit:
+                    await self.storage.read(st.ino, st.layout, start, memoryview(data))
+                blocks[index] = data
+
+            if len(missing) == 1:
+                await fetch(missing[0])
+            else:
+                await _parallel(fetch, [(i,) for i in missing])
+            if st.changes == changes:  # no local write or truncation overtook the reads
+                for i in missing:
+                    self.cache.put(st.ino, i, blocks[i], stamp)
+        if first == last:
+            return blocks[first][off - first * CACHE_BLOCK : end - first * CACHE_BLOCK]
+        out = bytearray()
+        for i in range(first, last + 1):
+            base = i * CACHE_BLOCK
+            out += memoryview(blocks[i])[max(off, base) - base : min(end, base + CACHE_BLOCK) - base]
+        return out
+
+    def _changed(self, st: _InodeState, offset: int = 0, length: int | None = None) -> None:
+        """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None)."""
+        st.changes += 1
+        if self.cache is not None:
+            if length is None:
+                self.cache.drop(st.ino)
+            else:
+                self.cache.drop_range(st.ino, offset, length)
+
     @_fuse_errors
     async def write(self, fh, off, buf):
         h = self._handle(fh)
@@ -520,6 +576,7 @@ class KvfsOperations(pyfuse3.Operations):
             self._raise_error(h)
             if h.flags & os.O_APPEND and st.size > off:
                 off = st.size  # another writer of this inode appended meanwhile
+            self._changed(st, off, n)
             if h.buf_len and (off != h.buf_off + h.buf_len or h.buf_len + n > self.write_buffer):
                 await self._start_flush(h)
             if n >= self.write_buffer:
@@ -695,6 +752,7 @@ class KvfsOperations(pyfuse3.Operations):
 
 
 _CLOSE_BATCH = 256
+_CACHED_READ = 128 * 1024  # reads up to this size go through the read cache; larger ones stream past it
 _CLOSE_LINGER = 0.02  # seconds
 
 

@@ -125,8 +125,10 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
               help="Seconds the kernel may keep a name -> inode lookup without asking meta.")
 @click.option("--negative-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds the kernel may remember that a name does not exist (0: never).")
+@click.option("--read-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
+              help="MiB of recently read 64 KiB blocks kept for small reads (close-to-open coherent; 0: off).")
 def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, attr_timeout: float,
-              entry_timeout: float, negative_timeout: float) -> None:
+              entry_timeout: float, negative_timeout: float, read_cache_mb: int) -> None:
     """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
 
     The timeouts trade coherence for speed: this mount's own changes are seen at once, other clients' changes
@@ -136,7 +138,7 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
                                       attr_timeout=attr_timeout, entry_timeout=entry_timeout,
-                                      negative_timeout=negative_timeout))
+                                      negative_timeout=negative_timeout, read_cache=read_cache_mb << 20))
 
 
 @main.command("up")

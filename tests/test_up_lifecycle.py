@@ -293,19 +293,31 @@ def test_status_reports_every_process_down_when_mgmtd_is_down():
         assert not any(p["alive"] or p["pid"] for p in report["processes"]) and "error" in report
 
 
+@contextlib.contextmanager
+def second_mount(cluster, path, *options: str):
+    """Another client: ``kvfs mount`` of the same cluster at ``path`` with ``options``, removed afterwards."""
+    path.mkdir()
+    daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), *options, str(path)], cwd=REPO,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: is_mounted(path), 30, "the second mount")
+        yield path
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        finally:
+            if is_mounted(path):
+                subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
 def test_a_second_mount_with_long_cache_timeouts_sees_other_clients_changes_late(cluster, tmp_path):
     """``kvfs mount --entry-timeout/--attr-timeout`` reach the kernel: a second client with 60 s timeouts
     keeps answering from its cache after another client removed the file (the documented trade), and
     rejects a negative timeout with a usage error."""
     bad = cluster.kvfs("mount", "--config", str(cluster.config), "--attr-timeout", "-1", str(tmp_path), check=False)
     assert bad.returncode == 2 and "--attr-timeout" in bad.stderr
-    second = tmp_path / "second"
-    second.mkdir()
-    daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), "--entry-timeout", "60",
-                               "--attr-timeout", "60", str(second)], cwd=REPO, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: is_mounted(second), 30, "the second mount")
+    with second_mount(cluster, tmp_path / "second", "--entry-timeout", "60", "--attr-timeout", "60") as second:
         (cluster.mount / "shared").write_bytes(b"x" * 10)
         assert (second / "shared").stat().st_size == 10  # looked up once, cached for 60 s
         (cluster.mount / "shared").unlink()
@@ -313,10 +325,38 @@ def test_a_second_mount_with_long_cache_timeouts_sees_other_clients_changes_late
         assert (second / "shared").stat().st_size == 10  # still the cached entry
         with pytest.raises(FileNotFoundError):
             (cluster.mount / "shared").stat()  # the mount that removed it knows at once
+
+
+def _small_read(path, offset: int, n: int = 4096) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, n, offset)
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(30)
-        finally:
-            if is_mounted(second):
-                subprocess.run(["fusermount3", "-u", "-z", str(second)], capture_output=True)
+        os.close(fd)
+
+
+def test_read_cache_is_close_to_open_coherent(cluster, tmp_path):
+    """Small reads come from the mount's block cache; another client's write shows at the next open, and this
+    mount's own writes and truncations at once."""
+    data = bytearray(os.urandom(1 << 20))
+    (cluster.mount / "cached").write_bytes(data)
+    with second_mount(cluster, tmp_path / "second") as second:
+        assert _small_read(second / "cached", 70_000) == data[70_000:74_096]  # fills the cache
+        with open(cluster.mount / "cached", "r+b") as f:  # another client changes bytes in that block
+            f.seek(70_000)
+            f.write(b"NEW" * 10)
+        data[70_000:70_030] = b"NEW" * 10
+        assert _small_read(second / "cached", 69_000) == data[69_000:73_096]
+        with open(second / "cached", "r+b") as f:  # this mount's own write, read back in the same open
+            assert f.read(10) == data[:10]
+            f.seek(5)
+            f.write(b"own")
+            f.flush()
+            f.seek(0)
+            assert f.read(10) == data[:5] + b"own" + data[8:10]
+            f.truncate(100_000)
+            f.seek(99_990)
+            assert f.read(100) == data[99_990:100_000]
+            f.truncate(200_000)  # extended again: zeros, not the old cached bytes
+            f.seek(99_990)
+            assert f.read(40) == data[99_990:100_000] + bytes(30)
