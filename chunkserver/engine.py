@@ -329,9 +329,10 @@ class ChunkEngine:
 
     # ------------------------------------------------------------------------------ data I/O
 
-    def _read_verified(self, v: _Version, offset: int, out: memoryview) -> None:
+    def _read_verified(self, v: _Version, offset: int, out: memoryview, nowait: bool = False) -> None:
         """Fill ``out`` with bytes [offset, offset+len(out)) of version ``v``, reading whole blocks
-        (head and tail into scratch, the middle straight into ``out``) and checking each block's CRC."""
+        (head and tail into scratch, the middle straight into ``out``) and checking each block's CRC.
+        ``nowait``: only from the page cache; BlockingIOError if any of it would wait for the disk."""
         n = len(out)
         if n == 0:
             return
@@ -340,7 +341,10 @@ class ChunkEngine:
         hi = min(_nblocks(end) * BLOCK, v.length)
         head, tail = memoryview(bytearray(offset - lo)), memoryview(bytearray(hi - end))
         f = self._files[v.cls]
-        got = os.preadv(f.fd, [b for b in (head, out, tail) if len(b)], v.slot * f.size + lo)
+        got = os.preadv(f.fd, [b for b in (head, out, tail) if len(b)], v.slot * f.size + lo,
+                        os.RWF_NOWAIT if nowait else 0)
+        if got != hi - lo and nowait:
+            raise BlockingIOError(errno.EAGAIN, "partly outside the page cache")
         if got != hi - lo:
             raise ChecksumMismatch(f"{f.path} slot {v.slot}: short read ({got} of {hi - lo} bytes)")
         segments = ((lo, head), (offset, out), (end, tail))
@@ -573,11 +577,14 @@ class ChunkEngine:
         *,
         version: int | None = None,
         into: memoryview | None = None,
+        nowait: bool = False,
     ) -> tuple[bytearray | int, ChunkMeta]:
         """Read up to ``length`` bytes at ``offset`` of the committed version (or the named one),
         verifying the CRC of every block touched. Returns a new bytearray, or the byte count when
         ``into`` is given (filled without an extra copy). Raises ENOENT for a missing chunk or
-        version and ChecksumMismatch for corrupt data (serve from another replica, then repair)."""
+        version and ChecksumMismatch for corrupt data (serve from another replica, then repair).
+        ``nowait`` reads only what is in the page cache and raises BlockingIOError otherwise, so an
+        event loop can read cached data itself and leave the rest to a thread."""
         with self._lock:
             entry = self._entry(chunk_id)
             candidates = () if entry is None else (entry.committed, entry.pending)
@@ -599,7 +606,7 @@ class ChunkEngine:
                 out = out[:n]
             else:
                 out = memoryview(bytearray(n))
-            self._read_verified(v, offset, out)
+            self._read_verified(v, offset, out, nowait)
         finally:
             with self._lock:
                 self._unpin(v)

@@ -59,6 +59,7 @@ RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
+_INLINE_READ = 1 << 20  # larger reads go to a thread even when cached: their CRC and copy can run beside the loop
 
 
 def target_id_for(node_id: int, index: int) -> int:
@@ -424,12 +425,12 @@ class ChunkServer:
         held = {v.version for v in (committed, pending) if v is not None}
         if version not in held:
             raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read")
-        if len(buf) <= 256 * 1024:  # small cached reads inline: a thread hop costs more than the read
-            n, _ = engine.read(cid, offset, len(buf), version=version, into=buf)
-        else:
-            n, _ = await trio.to_thread.run_sync(
-                lambda: engine.read(cid, offset, len(buf), version=version, into=buf)
-            )
+        if len(buf) <= _INLINE_READ:  # from the page cache, inline: a thread hop costs more than the read
+            try:
+                return engine.read(cid, offset, len(buf), version=version, into=buf, nowait=True)[0]
+            except BlockingIOError:
+                pass  # some of it is on disk only: wait for it in a thread, not in the event loop
+        n, _ = await trio.to_thread.run_sync(lambda: engine.read(cid, offset, len(buf), version=version, into=buf))
         return n
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:

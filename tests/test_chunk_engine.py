@@ -183,6 +183,23 @@ def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
     assert not errors
 
 
+def test_nowait_reads_only_from_the_page_cache(tmp_path: Path) -> None:
+    with ChunkEngine(tmp_path / "t", fsync=True) as e:  # fsync: written pages are clean, so they can be dropped
+        data = os.urandom(4 * BLOCK)
+        put(e, C, 1, 0, data)
+        assert content(e, C, nowait=True) == data  # just written: cached
+        for slot_file in (tmp_path / "t" / "data").glob("*.dat"):
+            fd = os.open(slot_file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        with pytest.raises(BlockingIOError):
+            e.read(C, BLOCK, 10, nowait=True)
+        assert bytes(e.read(C, BLOCK, 10)[0]) == data[BLOCK : BLOCK + 10]  # waits for the disk
+        assert bytes(e.read(C, BLOCK, 10, nowait=True)[0]) == data[BLOCK : BLOCK + 10]  # and now it is cached
+
+
 @given(st.binary(max_size=3 * BLOCK + 7), st.binary(max_size=BLOCK + 3))
 @settings(max_examples=50, deadline=None)
 def test_fold_crc_equals_whole_crc(a: bytes, b: bytes) -> None:
