@@ -30,7 +30,10 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
                              call_timeout=timeouts.call, transport=transport) as rpc:
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
-            await run_mount(meta, storage, mountpoint, **options)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(meta.keep_alive)
+                await run_mount(meta, storage, mountpoint, **options)
+                nursery.cancel_scope.cancel()
             rpc.close()
 
     trio.run(main)

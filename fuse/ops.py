@@ -147,6 +147,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
         self.cache = BlockCache(read_cache) if read_cache else None
+        self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's write sessions
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._inodes: dict[int, _InodeState] = {}
@@ -182,7 +183,7 @@ class KvfsOperations(pyfuse3.Operations):
             self._groups.move_to_end(key)
             while len(self._groups) > 4096:
                 self._groups.popitem(last=False)
-        return Caller(ctx.uid, ctx.gid, gids, ctx.pid)
+        return Caller(ctx.uid, ctx.gid, gids, ctx.pid, self.client_id)
 
     # ------------------------------------------------------------------ attributes --------
     def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:

@@ -51,6 +51,9 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
 class MetaSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gc_interval: float = 5.0
+    #: Seconds a client (mount, kvclient) may go without renewing before meta ends its write sessions, so the
+    #: files a crashed client held open can be collected. Clients learn it from meta and renew every quarter.
+    client_lease: float = 60.0
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

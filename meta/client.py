@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -22,6 +24,9 @@ from meta.rpc import OPS
 from meta.store import MetaStore
 from meta.types import Caller
 
+log = logging.getLogger(__name__)
+_FIRST_LEASE_GUESS = 20.0  # seconds; only until meta has answered once
+
 
 class RemoteMeta:
     """Calls any of several ``kvfs meta`` instances; a dead instance is skipped for the next one."""
@@ -34,8 +39,8 @@ class RemoteMeta:
         self._next = itertools.cycle(range(len(self._addresses)))
         self._current = next(self._next)
         self._rounds = failover_rounds
-        client_tag = secrets.token_bytes(12)  # op ids: this client's random tag + a sequence number
-        self._op_ids = (client_tag + n.to_bytes(8, "big") for n in itertools.count())
+        self.client_id = secrets.token_bytes(12)  # names this client's lease; op ids are it + a sequence number
+        self._op_ids = (self.client_id + n.to_bytes(8, "big") for n in itertools.count())
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         op = OPS.get(name)
@@ -49,6 +54,19 @@ class RemoteMeta:
 
         call.__name__ = name
         return call
+
+    async def keep_alive(self) -> None:
+        """Renew this client's lease every quarter of its length (meta's ``client_lease``, which the renewal
+        returns), forever: meta ends the write sessions of a client that stops (crashed, or cut off for longer
+        than the lease)."""
+        caller = Caller(os.getuid(), os.getgid(), client=self.client_id)
+        lease = _FIRST_LEASE_GUESS
+        while True:
+            try:
+                lease = await self.renew_client(caller)
+            except OSError as exc:  # meta unreachable for now: try again at the next beat
+                log.warning("cannot renew the client lease with meta: %s", exc)
+            await trio.sleep(lease / 4)
 
     async def _call(self, method: Any, request: Any) -> Any:
         """Try instances in turn. A call that may have run is retried too: idempotent methods run again

@@ -13,13 +13,13 @@ from . import schema
 from .kv import Database, Transaction
 from .kv.keys import decode_int, prefix_range, unpack
 from .store import ROOT_INO
-from .types import DirEntry, Inode
+from .types import DirEntry, Inode, Session
 
 
 def check(db: Database) -> list[str]:
     """Problems found (empty when consistent): dangling entries, wrong nlink or type, directories
     with a wrong parent pointer or several names, nameless inodes not queued for GC, a wrong
-    inode count."""
+    inode count, write sessions and their owners' index out of step."""
     return db.run(_check)
 
 
@@ -59,6 +59,19 @@ def _check(tr: Transaction) -> list[str]:
     for ino in queued:
         if ino in inodes and inodes[ino].attr.nlink:
             problems.append(f"inode {ino} queued for GC but has nlink {inodes[ino].attr.nlink}")
+    sessions = {}
+    for key, raw in tr.get_range(*prefix_range(schema.NS, "s")):
+        _, _, ino, sid = unpack(key)
+        sessions[(ino, sid)] = msgspec.msgpack.decode(raw, type=Session).client
+        if ino not in inodes:
+            problems.append(f"session {sid} of missing inode {ino}")
+    owned = {}
+    for key, _ in tr.get_range(*prefix_range(schema.NS, "o")):
+        _, _, client, ino, sid = unpack(key)
+        owned[(ino, sid)] = client
+    want_owned = {k: client for k, client in sessions.items() if client}
+    if owned != want_owned:
+        problems.append(f"client session index {sorted(owned.items())} != sessions {sorted(want_owned.items())}")
     count = decode_int(tr.get(schema.INODE_COUNT))
     if count != len(inodes):
         problems.append(f"inode count {count} != {len(inodes)} records")

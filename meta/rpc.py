@@ -52,6 +52,7 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("resolve", True),
     ("access", True),
     ("close_sessions", True),
+    ("renew_client", True),
 )
 METHOD_BASE = 100
 

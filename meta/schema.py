@@ -12,6 +12,8 @@ key                            value
 ("meta", "c", shard)           int64 LE: id blocks handed out by this allocator shard
 ("meta", "n", "inodes")        int64 LE, atomic add: live inode count for statfs
 ("meta", "r", minute, op_id)   the answer to a non-idempotent request, for its retries (expires)
+("meta", "k", client)          int64 LE: when the client last renewed its lease (meta's clock, ns)
+("meta", "o", client, ino, s)  b"": the client owns write session s of ino (ended with it when the lease lapses)
 =============================  ==========================================================
 """
 
@@ -59,6 +61,21 @@ def gc(ino: int) -> bytes:
 
 def counter(shard: int) -> bytes:
     return pack(NS, "c", shard)
+
+
+def client(client_id: bytes) -> bytes:
+    return pack(NS, "k", client_id)
+
+
+CLIENT_RANGE = prefix_range(NS, "k")
+
+
+def owned_session(client_id: bytes, ino: int, sid: int) -> bytes:
+    return pack(NS, "o", client_id, ino, sid)
+
+
+def owned_range(client_id: bytes) -> tuple[bytes, bytes]:
+    return prefix_range(NS, "o", client_id)
 
 
 def answer(minute: int, op_id: bytes) -> bytes:

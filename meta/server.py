@@ -35,7 +35,8 @@ def serve_meta(
                 client = RpcClient(token, connect_timeout=config.timeouts.connect, transport=transport)
                 rpc = await stack.enter_async_context(client)
                 remover = SyncChunkRemover(StorageClient(rpc, MgmtdClient(rpc, config.mgmtd)))
-            store = MetaStore(db, chunk_remover=remover, root_layout=Layout(stripe=DEFAULT_STRIPE))
+            store = MetaStore(db, chunk_remover=remover, root_layout=Layout(stripe=DEFAULT_STRIPE),
+                              client_lease=config.meta_service.client_lease)
             store.format()
             service = MetaService(store, server, gc_interval=config.meta_service.gc_interval)
             background = (service.run_gc,)

@@ -57,15 +57,18 @@ class MetaService:
             return call()
 
     async def run_gc(self) -> None:
-        """Expire old request answers and delete the chunks of removed files (when the store can reach the
-        chunk servers) in the background, forever. A full round goes on to the next at once: waiting the
-        interval between rounds of ``GC_BATCH`` would reclaim the space of a large deletion at a few files per
-        second."""
+        """Expire old request answers and the write sessions of clients whose lease lapsed, and delete the chunks
+        of removed files (when the store can reach the chunk servers) in the background, forever. A full round
+        goes on to the next at once: waiting the interval between rounds of ``GC_BATCH`` would reclaim the space
+        of a large deletion at a few files per second."""
         while True:
             await trio.sleep(self.gc_interval)
             collected = 0
             try:
                 await trio.to_thread.run_sync(self.store.expire_answers)
+                expired = await trio.to_thread.run_sync(self.store.expire_clients)
+                if expired:
+                    log.warning("ended %d write sessions of clients whose lease lapsed", expired)
                 while self.store.collects_chunks:
                     done = await trio.to_thread.run_sync(self.store.gc_once, GC_BATCH)
                     collected += done

@@ -69,6 +69,7 @@ _ONCE: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("kvfs_meta_
 _enc = msgspec.msgpack.Encoder()
 _dec_inode = msgspec.msgpack.Decoder(Inode)
 _dec_entry = msgspec.msgpack.Decoder(DirEntry)
+_dec_session = msgspec.msgpack.Decoder(Session)
 
 SpaceFn = Callable[[], tuple[int, int]]
 
@@ -159,14 +160,18 @@ class MetaStore:
         space: SpaceFn | None = None,
         root_layout: Layout = Layout(),
         clock: Callable[[], int] = time.time_ns,
+        client_lease: float = 60.0,
     ) -> None:
         """``space`` returns ``(total_bytes, free_bytes)`` for statfs (the chunk servers' capacity);
-        without it statfs reports a nominal 1 PiB, all free.  ``chunk_remover`` is needed by :meth:`gc_once`."""
+        without it statfs reports a nominal 1 PiB, all free.  ``chunk_remover`` is needed by :meth:`gc_once`.
+        ``client_lease``: seconds a client may go without :meth:`renew_client` before :meth:`expire_clients`
+        ends its write sessions."""
         self.db = db
         self._remover = chunk_remover
         self._space = space
         self._root_layout = root_layout
         self._clock = clock
+        self._client_lease_ns = int(client_lease * 1e9)
         self._ids: list[int] = []
         self._id_lock = threading.Lock()
 
@@ -827,7 +832,11 @@ class MetaStore:
         if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
             return None
         sid = secrets.randbits(63)
-        tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, self._clock())))
+        now = self._clock()
+        tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, now, caller.client)))
+        if caller.client:
+            tr.set(schema.owned_session(caller.client, inode.attr.ino, sid), b"")
+            tr.set(schema.client(caller.client), encode_int(now))  # a session start renews the lease
         return sid
 
     def _session_inode(self, tr: Transaction, ino: int, session: int) -> Inode:
@@ -890,14 +899,53 @@ class MetaStore:
 
     def _end_session(self, tr: Transaction, inode: Inode, session: int, exact_length: int | None) -> bool:
         key = schema.session(inode.attr.ino, session)
-        if tr.get(key) is None:
+        raw = tr.get(key)
+        if raw is None:
             return False
         tr.clear(key)
+        owner = _dec_session.decode(raw).client
+        if owner:
+            tr.clear(schema.owned_session(owner, inode.attr.ino, session))
         if exact_length is not None:
             inode.attr.size = exact_length
             self._touch(inode, mtime=False)
             self._put(tr, inode)
         return True
+
+    # ------------------------------------------------------------------ client leases -----
+    def renew_client(self, caller: Caller) -> float:
+        """The calling client is alive: its write sessions stay. Returns the lease in seconds: the client renews
+        well within it (so it need not be configured on both sides)."""
+        if caller.client:
+            self.db.run(lambda tr: tr.set(schema.client(caller.client), encode_int(self._clock())))
+        return self._client_lease_ns / 1e9
+
+    def expire_clients(self, limit: int = 256) -> int:
+        """End the write sessions of clients that have not renewed for the lease (crashed or cut off), so
+        files they held open can be collected. Ends at most ``limit`` sessions per call; returns how many.
+
+        A client cut off for longer than its lease finds its sessions gone when it comes back: its writes
+        then fail (EBADF at the next length report) instead of holding removed files' space forever."""
+        deadline = self._clock() - self._client_lease_ns
+
+        def fn(tr: Transaction) -> int:
+            ended = 0
+            for key, value in tr.get_range(*schema.CLIENT_RANGE):
+                if decode_int(value) >= deadline:
+                    continue
+                client_id = unpack(key)[-1]
+                owned = tr.get_range(*schema.owned_range(client_id), limit=limit - ended)
+                for owned_key, _ in owned:
+                    _, _, _, ino, sid = unpack(owned_key)
+                    tr.clear(owned_key)
+                    tr.clear(schema.session(ino, sid))
+                    ended += 1
+                if ended >= limit:
+                    break  # this client may own more: the next call goes on
+                tr.clear(key)
+            return ended
+
+        return self.db.run(fn)
 
     # ------------------------------------------------------------------ GC ----------------
     @property

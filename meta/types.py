@@ -16,6 +16,7 @@ class Caller(msgspec.Struct, frozen=True):
     gid: int
     gids: tuple[int, ...] = ()
     pid: int = 0
+    client: bytes = b""  # the mount or library the call comes from: its write sessions end if it stops renewing
 
     def in_group(self, gid: int) -> bool:
         return gid == self.gid or gid in self.gids
@@ -130,6 +131,7 @@ class Session(msgspec.Struct):
     uid: int
     pid: int
     opened_ns: int
+    client: bytes = b""  # empty: a client without a lease (in-process), whose sessions never expire
 
 
 class StatFs(msgspec.Struct):

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def chunks_held(data: Path, inodes: list[int]) -> int:
+    """Chunk versions the cluster's targets still hold of these inodes (read beside the running engines: WAL)."""
+    held = 0
+    for db in data.glob("targets/**/chunks.sqlite"):
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            marks = ",".join("?" * len(inodes))
+            held += conn.execute(f"SELECT count(*) FROM versions WHERE inode IN ({marks})", inodes).fetchone()[0]
+        finally:
+            conn.close()
+    return held
 
 
 class KvfsCluster:

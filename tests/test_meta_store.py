@@ -428,6 +428,34 @@ def test_gc_passes_over_files_still_open(ms, remover):
     assert ms.gc_once(limit=64) == 4
 
 
+def test_sessions_of_a_client_that_stops_renewing_end_and_its_removed_files_are_collected(db, remover):
+    now = [10**18]
+    ms = MetaStore(db, chunk_remover=remover, clock=lambda: now[0], client_lease=60)
+    ms.format(mode=0o777)
+    crashed, alive = Caller(1000, 1000, client=b"A" * 12), Caller(1000, 1000, client=b"B" * 12)
+    held = {}
+    for who in (crashed, alive, ALICE):  # ALICE: no client id, so no lease (an in-process caller)
+        o = ms.create(who, ROOT_INO, who.client or b"local", 0o644, os.O_WRONLY)
+        ms.unlink(who, ROOT_INO, who.client or b"local")  # removed while open: GC must wait for the session
+        held[who.client] = o
+    lease = 60 * 10**9
+    now[0] += lease // 2
+    assert ms.renew_client(alive) == 60
+    assert ms.expire_clients() == 0 and ms.gc_once() == 0
+    now[0] += lease // 2 + 1  # the crashed client is silent for over a lease, the live one renewed half-way
+    assert ms.expire_clients() == 1
+    assert ms.gc_once() == 1 and remover.removed == [held[crashed.client].attr.ino]
+    fails(errno.EBADF, ms.report_length, crashed, held[crashed.client].attr.ino, held[crashed.client].session, 1)
+    ms.report_length(alive, held[alive.client].attr.ino, held[alive.client].session, 1)  # still open
+    assert ms.expire_clients() == 0  # the crashed client's record went with its sessions
+    now[0] += 10 * lease
+    assert ms.expire_clients() == 1  # the live one stopped renewing too; the lease-less session stays
+    for who in (alive, ALICE):
+        ms.close(who, held[who.client].attr.ino, held[who.client].session)  # a late close is harmless
+    assert ms.gc_once() == 2
+    assert check(db) == []
+
+
 def test_gc_needs_remover(db):
     m = MetaStore(db)
     m.format()

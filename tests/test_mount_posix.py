@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import shutil
-import sqlite3
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
-from cluster_fixtures import NEEDS_FUSE, wait_until  # noqa: E402
+from cluster_fixtures import NEEDS_FUSE, chunks_held, wait_until  # noqa: E402
 from fuse_harness import run_as  # noqa: E402
 
 import test_fuse_io as io_suite  # noqa: E402
@@ -423,29 +422,16 @@ def test_statfs_reflects_cluster_capacity(kvfs_cluster, d):
     assert os.statvfs(kvfs_cluster.mount).f_files == st.f_files
 
 
-def _chunks_held(data: Path, inodes: list[int]) -> int:
-    """Chunk versions the cluster's targets still hold of these inodes (read beside the running engines: WAL)."""
-    held = 0
-    for db in data.glob("targets/**/chunks.sqlite"):
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        try:
-            marks = ",".join("?" * len(inodes))
-            held += conn.execute(f"SELECT count(*) FROM versions WHERE inode IN ({marks})", inodes).fetchone()[0]
-        finally:
-            conn.close()
-    return held
-
-
 def test_removed_files_chunks_are_collected_in_one_gc_pass(kvfs_cluster, d):
     inodes = []
     for i in range(200):  # more than one GC batch: a full batch goes on to the next at once
         (d / f"f{i}").write_bytes(b"x" * (i + 1))
         inodes.append(os.stat(d / f"f{i}").st_ino)
-    assert _chunks_held(kvfs_cluster.data, inodes) == 3 * 200  # one chunk per file on each of three replicas
+    assert chunks_held(kvfs_cluster.data, inodes) == 3 * 200  # one chunk per file on each of three replicas
     for i in range(200):
         os.unlink(d / f"f{i}")
     # meta's GC runs every 5 s: at one batch of 64 per run these four batches would take 20 s
-    wait_until(lambda: _chunks_held(kvfs_cluster.data, inodes) == 0, 12, "the removed files' chunks to go", 0.2)
+    wait_until(lambda: chunks_held(kvfs_cluster.data, inodes) == 0, 12, "the removed files' chunks to go", 0.2)
 
 
 # ------------------------------------------------------------------------------------------- locks

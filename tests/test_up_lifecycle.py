@@ -21,7 +21,7 @@ import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import (
-    KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, is_mounted, process_alive, started, wait_until,
+    KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, started, wait_until,
 )
 
 pytest_plugins = ["cluster_fixtures"]
@@ -360,3 +360,32 @@ def test_read_cache_is_close_to_open_coherent(cluster, tmp_path):
             f.truncate(200_000)  # extended again: zeros, not the old cached bytes
             f.seek(99_990)
             assert f.read(40) == data[99_990:100_000] + bytes(30)
+
+
+
+def test_a_crashed_mounts_write_sessions_end_with_its_lease_and_its_removed_files_are_collected():
+    """A file removed while open keeps its chunks while its writer lives; once the mount is killed and its
+    lease lapses, meta ends its sessions and garbage collection frees the chunks."""
+    with started("kvfs-lease-") as c:
+        c.kill("meta")
+        c.kill("mount", signal.SIGTERM)  # clients learn the lease from meta: this one learns the short one
+        text = c.config.read_text()
+        assert "gc_interval = 5.0" in text and "client_lease = 60.0" in text
+        c.config.write_text(text.replace("gc_interval = 5.0", "gc_interval = 0.3").replace(
+            "client_lease = 60.0", "client_lease = 2.0"))
+        c.up()  # meta and the mount come back; the mount renews the 2 s lease every 0.5 s
+        path = c.mount / "held"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, os.urandom(1 << 20))
+            os.fsync(fd)
+            ino = os.fstat(fd).st_ino
+            os.unlink(path)
+            time.sleep(3)  # over a lease: the live mount renewed it, so the session and the chunks stay
+            assert chunks_held(c.data, [ino]) == 3
+            c.kill("mount")
+            wait_until(lambda: chunks_held(c.data, [ino]) == 0, 20, "the crashed mount's removed file to go")
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        assert "ended 1 write sessions of clients whose lease lapsed" in (c.data / "logs" / "meta.log").read_text()
