@@ -58,9 +58,10 @@ class MetaService:
 
     async def run_gc(self) -> None:
         """Expire old request answers and the write sessions of clients whose lease lapsed, and delete the chunks
-        of removed files (when the store can reach the chunk servers) in the background, forever. A full round
-        goes on to the next at once: waiting the interval between rounds of ``GC_BATCH`` would reclaim the space
-        of a large deletion at a few files per second."""
+        of removed files (when the store can reach the chunk servers) in the background, forever. After a full
+        batch the next follows soon, paced to take at most ``GC_DUTY`` of the time: waiting the whole interval
+        would reclaim a large deletion's space at a few files per second, and not waiting at all would take CPU
+        from the calls clients are waiting for."""
         while True:
             await trio.sleep(self.gc_interval)
             collected = 0
@@ -70,14 +71,19 @@ class MetaService:
                 if expired:
                     log.warning("ended %d write sessions of clients whose lease lapsed", expired)
                 while self.store.collects_chunks:
+                    started = trio.current_time()
                     done = await trio.to_thread.run_sync(self.store.gc_once, GC_BATCH)
                     collected += done
                     if done < GC_BATCH:
                         break
-            except Exception:  # GC must never take the service down; the next round retries
+                    await trio.sleep((trio.current_time() - started) * (1 / GC_DUTY - 1))
+            except OSError as exc:  # chunk servers or the KV store out of reach: the next round retries
+                log.warning("garbage collection round stopped, retrying in %g s: %s", self.gc_interval, exc)
+            except Exception:  # a bug; GC must still never take the service down
                 log.exception("garbage collection round failed")
             if collected:
                 log.info("garbage-collected %s removed files", collected)
 
 
 GC_BATCH = 64
+GC_DUTY = 0.25  # at most this share of the time goes to collecting while a backlog lasts
