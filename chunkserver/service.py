@@ -50,6 +50,7 @@ from craq.member import (
 from craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
 from craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
+from kvfs.pool import RECEIVED
 from kvfs.rpc import CallContext, RpcClient, RpcServer
 from kvfs.wire import Empty
 
@@ -407,7 +408,7 @@ class ChunkServer:
         if decision.version == 0:
             return 0, b""
         engine = self.engines[member.target_id]
-        buf = memoryview(bytearray(r.length))
+        buf = memoryview(RECEIVED.take(r.length))  # filled by the read; only the part read goes out
         try:
             n = await self._engine_read(engine, r.chunk_id, r.offset, buf, decision.version)
         except ChecksumMismatch as exc:

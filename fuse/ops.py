@@ -27,6 +27,7 @@ import pyfuse3
 import trio
 
 from kvfs.aio import one_error
+from kvfs.pool import RECEIVED
 from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
@@ -515,7 +516,7 @@ class KvfsOperations(pyfuse3.Operations):
             return b""
         if self.cache is not None and end - off <= _CACHED_READ:
             return await self._read_cached(st, off, end)
-        out = bytearray(end - off)
+        out = RECEIVED.take(end - off)  # every byte is filled below (holes as zeros by storage.read)
         view = memoryview(out)
         pieces = list(_chunk_pieces(st.layout.chunk_size, off, end - off))
         if len(pieces) == 1:

@@ -46,6 +46,7 @@ from kvfs.errors import (
     ServiceUnavailable,
     from_wire,
 )
+from kvfs.pool import RECEIVED
 from kvfs.transport import link as rdma
 from kvfs.transport.buffers import Slab
 from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable
@@ -424,7 +425,7 @@ class Connection:
             if header.data_len:
                 target = pending.into
                 if target is None or len(target) < header.data_len:
-                    target = memoryview(bytearray(header.data_len))
+                    target = memoryview(RECEIVED.take(header.data_len))
                 else:
                     target = target[: header.data_len]
                 await reader.read_into(target)
@@ -1023,7 +1024,7 @@ class RpcServer(_TransportChoice):
                     failure = exc
             data = None
             if header.data_len:
-                data = memoryview(bytearray(header.data_len))
+                data = memoryview(RECEIVED.take(header.data_len))
                 await reader.read_into(data)
             try:
                 limiter.acquire_on_behalf_of_nowait(header.request_id)
