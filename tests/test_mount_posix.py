@@ -422,16 +422,16 @@ def test_statfs_reflects_cluster_capacity(kvfs_cluster, d):
     assert os.statvfs(kvfs_cluster.mount).f_files == st.f_files
 
 
-def test_removed_files_chunks_are_collected_in_one_gc_pass(kvfs_cluster, d):
+def test_removed_files_chunks_are_collected_without_an_interval_between_batches(kvfs_cluster, d):
     inodes = []
-    for i in range(200):  # more than one GC batch: a full batch goes on to the next at once
+    for i in range(320):  # five GC batches: a full batch is followed by the next within a fraction of a second
         (d / f"f{i}").write_bytes(b"x" * (i + 1))
         inodes.append(os.stat(d / f"f{i}").st_ino)
-    assert chunks_held(kvfs_cluster.data, inodes) == 3 * 200  # one chunk per file on each of three replicas
-    for i in range(200):
+    assert chunks_held(kvfs_cluster.data, inodes) == 3 * 320  # one chunk per file on each of three replicas
+    for i in range(320):
         os.unlink(d / f"f{i}")
-    # meta's GC runs every 5 s: at one batch of 64 per run these four batches would take 20 s
-    wait_until(lambda: chunks_held(kvfs_cluster.data, inodes) == 0, 12, "the removed files' chunks to go", 0.2)
+    # meta's GC runs every 5 s: at one batch of 64 per run these five batches would take at least 20 s
+    wait_until(lambda: chunks_held(kvfs_cluster.data, inodes) == 0, 15, "the removed files' chunks to go", 0.2)
 
 
 # ------------------------------------------------------------------------------------------- locks

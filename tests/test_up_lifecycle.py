@@ -372,8 +372,8 @@ def test_a_crashed_mounts_write_sessions_end_with_its_lease_and_its_removed_file
         text = c.config.read_text()
         assert "gc_interval = 5.0" in text and "client_lease = 60.0" in text
         c.config.write_text(text.replace("gc_interval = 5.0", "gc_interval = 0.3").replace(
-            "client_lease = 60.0", "client_lease = 2.0"))
-        c.up()  # meta and the mount come back; the mount renews the 2 s lease every 0.5 s
+            "client_lease = 60.0", "client_lease = 4.0"))
+        c.up()  # meta and the mount come back; the mount renews the 4 s lease every second
         path = c.mount / "held"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -381,7 +381,7 @@ def test_a_crashed_mounts_write_sessions_end_with_its_lease_and_its_removed_file
             os.fsync(fd)
             ino = os.fstat(fd).st_ino
             os.unlink(path)
-            time.sleep(3)  # over a lease: the live mount renewed it, so the session and the chunks stay
+            time.sleep(5)  # over a lease: the live mount renewed it, so the session and the chunks stay
             assert chunks_held(c.data, [ino]) == 3
             c.kill("mount")
             wait_until(lambda: chunks_held(c.data, [ino]) == 0, 20, "the crashed mount's removed file to go")
