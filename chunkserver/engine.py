@@ -154,21 +154,18 @@ def _shift_tables(n: int) -> tuple[list[int], ...]:
 _T0, _T1, _T2, _T3 = _shift_tables(BLOCK)
 
 
+def _shift_block(crc: int) -> int:
+    """``crc`` carried over BLOCK more bytes (see :func:`_shift_tables`)."""
+    return _T0[crc & 0xFF] ^ _T1[(crc >> 8) & 0xFF] ^ _T2[(crc >> 16) & 0xFF] ^ _T3[crc >> 24]
+
+
 def fold_crc(blocks: array | list[int], length: int) -> int:
     """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`)."""
-    if not blocks:
-        return 0
-    total = blocks[0]
-    last = len(blocks) - 1
-    for block_crc in blocks[1:last]:
-        total = _T0[total & 0xFF] ^ _T1[(total >> 8) & 0xFF] ^ _T2[(total >> 16) & 0xFF] ^ _T3[total >> 24] ^ block_crc
-    if last:
-        n = length - last * BLOCK  # the final piece may be short: shift by its own length
-        if n == BLOCK:
-            total = _T0[total & 0xFF] ^ _T1[(total >> 8) & 0xFF] ^ _T2[(total >> 16) & 0xFF] ^ _T3[total >> 24]
-        else:
-            total = crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
-        total ^= blocks[last]
+    total = blocks[0] if len(blocks) else 0
+    for i in range(1, len(blocks)):
+        n = min(BLOCK, length - i * BLOCK)  # only the final piece may be short: shift by its own length
+        shifted = _shift_block(total) if n == BLOCK else crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
+        total = shifted ^ blocks[i]
     return total
 
 

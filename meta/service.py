@@ -67,7 +67,12 @@ class MetaService:
             collected = 0
             try:
                 await trio.to_thread.run_sync(self.store.expire_answers)
-                expired = await trio.to_thread.run_sync(self.store.expire_clients)
+                expired = 0
+                while True:  # a full batch means the lapsed clients may own more sessions
+                    ended = await trio.to_thread.run_sync(self.store.expire_clients, EXPIRE_BATCH)
+                    expired += ended
+                    if ended < EXPIRE_BATCH:
+                        break
                 if expired:
                     log.warning("ended %d write sessions of clients whose lease lapsed", expired)
                 while self.store.collects_chunks:
@@ -86,4 +91,5 @@ class MetaService:
 
 
 GC_BATCH = 64
+EXPIRE_BATCH = 256  # sessions of lapsed clients ended per transaction
 GC_DUTY = 0.25  # at most this share of the time goes to collecting while a backlog lasts

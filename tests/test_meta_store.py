@@ -456,6 +456,18 @@ def test_sessions_of_a_client_that_stops_renewing_end_and_its_removed_files_are_
     assert check(db) == []
 
 
+def test_expiring_a_client_goes_on_where_a_full_batch_stopped(db, remover):
+    now = [10**18]
+    ms = MetaStore(db, chunk_remover=remover, clock=lambda: now[0], client_lease=1)
+    ms.format(mode=0o777)
+    crashed = Caller(1000, 1000, client=b"C" * 12)
+    for i in range(3):
+        ms.create(crashed, ROOT_INO, b"f%d" % i, 0o644, os.O_WRONLY)
+    now[0] += 2 * 10**9
+    assert [ms.expire_clients(limit=2) for _ in range(3)] == [2, 1, 0]
+    assert check(db) == []
+
+
 def test_gc_needs_remover(db):
     m = MetaStore(db)
     m.format()
