@@ -637,10 +637,6 @@ class ChunkEngine:
             ]
         return iter(metas)
 
-    def remove(self, chunk_id: ChunkId) -> bool:
-        """Delete a chunk, committed and pending; False if it was not there."""
-        return self._remove("inode=? AND idx=?", tuple(chunk_id), [chunk_id]) > 0
-
     def remove_files(self, inodes: list[int]) -> int:
         """Delete every chunk of these inodes in one transaction; returns how many chunks there were."""
         with self._lock:
@@ -652,6 +648,19 @@ class ChunkEngine:
             mine = set(part)
             removed += self._remove(f"inode IN ({','.join('?' * len(part))})", tuple(part),
                                     [c for c in ids if c.inode in mine])
+        return removed
+
+    def remove_from(self, inode: int, first: int) -> int:
+        """Delete the chunks of ``inode`` at index ``first`` and beyond (a truncation's tail) in one transaction
+        per ``_SQL_BATCH`` chunks, not one per chunk; returns how many there were. The DELETE names each index,
+        so a chunk written meanwhile past ``first`` is never dropped from disk while it stays in memory."""
+        with self._lock:
+            indexes = sorted(x for x in self._chunks.get(inode, {}) if x >= first)
+        removed = 0
+        for start in range(0, len(indexes), _SQL_BATCH):
+            part = indexes[start : start + _SQL_BATCH]
+            removed += self._remove(f"inode=? AND idx IN ({','.join('?' * len(part))})", (inode, *part),
+                                    [ChunkId(inode, x) for x in part])
         return removed
 
     def _remove(self, where: str, args: tuple, ids: list[ChunkId]) -> int:

@@ -469,15 +469,8 @@ class ChunkServer:
         return p.FetchedChunk(meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
-        def remove() -> int:
-            count = 0
-            for engine in self.engines.values():
-                for meta in engine.list_chunks(req.inode):
-                    if meta.chunk_id.index >= req.from_index and engine.remove(meta.chunk_id):
-                        count += 1
-            return count
-
-        return p.Removed(await trio.to_thread.run_sync(remove))
+        return p.Removed(await trio.to_thread.run_sync(
+            lambda: sum(engine.remove_from(req.inode, req.from_index) for engine in self.engines.values())))
 
     async def _on_remove_files(self, req: p.RemoveFiles, data: Any, ctx: CallContext) -> p.Removed:
         return p.Removed(await trio.to_thread.run_sync(

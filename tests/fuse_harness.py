@@ -95,11 +95,10 @@ class LocalFileStorage:
 
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
         keep = -(-new_length // chunk_size)  # chunks [0, keep) may hold bytes below new_length
+        self.engine.remove_from(ino, keep)
         for m in self.engine.list_chunks(ino):
             idx = m.chunk_id.index
-            if idx >= keep:
-                self.engine.remove(m.chunk_id)
-            elif idx == keep - 1:
+            if idx == keep - 1:
                 tail = new_length - idx * chunk_size
                 with self._lock(m.chunk_id):
                     cur = self.engine.meta(m.chunk_id)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
+from chunkserver import engine as engine_mod
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 CS = 1 << 20
@@ -129,10 +130,10 @@ def test_list_remove_truncate(eng: ChunkEngine) -> None:
     put(eng, ChunkId(2, 0), 1, 0, b"b")
     assert [(m.chunk_id, m.length) for m in eng.list_chunks(1)] == [(ChunkId(1, i), i + 1) for i in range(3)]
     assert len(list(eng.list_chunks())) == 4
-    assert eng.remove(ChunkId(1, 1)) and not eng.remove(ChunkId(1, 1))
-    assert eng.meta(ChunkId(1, 1)) is None and eng.local_location(ChunkId(1, 1)) is None
+    assert eng.remove_from(1, 2) == 1 and eng.remove_from(1, 2) == 0
+    assert eng.meta(ChunkId(1, 2)) is None and eng.local_location(ChunkId(1, 2)) is None
     with pytest.raises(KvfsError) as ei:
-        eng.read(ChunkId(1, 1), 0, 1)
+        eng.read(ChunkId(1, 2), 0, 1)
     assert ei.value.errno == errno.ENOENT
     assert eng.remove_files([1, 7]) == 2 and list(eng.list_chunks(1)) == []
     put(eng, C, 1, 0, os.urandom(3 * BLOCK))
@@ -142,6 +143,10 @@ def test_list_remove_truncate(eng: ChunkEngine) -> None:
     eng.truncate(C, 2 * BLOCK, 3)
     assert content(eng, C) == before[: BLOCK + 10] + bytes(BLOCK - 10)
     assert eng.space()[1] == 2 * BLOCK + BLOCK  # C now in a 128 KiB slot, ChunkId(2, 0) in 64 KiB
+    for i in range(5):
+        put(eng, ChunkId(3, i), 1, 0, b"t")
+    assert eng.remove_from(3, 2) == 3 and eng.remove_from(3, 2) == 0
+    assert [m.chunk_id.index for m in eng.list_chunks(3)] == [0, 1]
 
 
 def test_reopen_keeps_committed_and_pending(tmp_path: Path) -> None:
@@ -158,6 +163,20 @@ def test_reopen_keeps_committed_and_pending(tmp_path: Path) -> None:
         assert e.space()[1] == used
         e.commit(C, 2)
         assert content(e, C) == b"PENDINGed"
+
+
+def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
+    """remove_from deletes the rows and frees the slots of every chunk it drops, beyond batch boundaries."""
+    count = engine_mod._SQL_BATCH + 3
+    with ChunkEngine(tmp_path) as e:
+        for i in range(count):
+            put(e, ChunkId(4, i), 1, 0, b"x")
+        used_one = e.space()[1] // count
+        assert e.remove_from(4, 1) == count - 1
+        used = e.space()[1]
+        assert used == used_one
+    with ChunkEngine(tmp_path) as e:
+        assert [m.chunk_id.index for m in e.list_chunks(4)] == [0] and e.space()[1] == used
 
 
 def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
