@@ -20,9 +20,10 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
-from meta.rpc import OPS
+from meta.feed import ORIGIN
+from meta.rpc import OPS, WATCH, WatchRequest
 from meta.store import MetaStore
-from meta.types import Caller
+from meta.types import Caller, ChangePage
 
 log = logging.getLogger(__name__)
 _FIRST_LEASE_GUESS = 20.0  # seconds; only until meta has answered once
@@ -54,6 +55,10 @@ class RemoteMeta:
 
         call.__name__ = name
         return call
+
+    async def watch(self, caller: Caller, since: bytes, wait: float, limit: int = 1024) -> ChangePage:
+        """The change feed after ``since``, long-polled for up to ``wait`` seconds (``MetaService._watch``)."""
+        return (await self._call(WATCH, WatchRequest(caller=caller, since=since, wait=wait, limit=limit))).value
 
     async def keep_alive(self) -> None:
         """Renew this client's lease every quarter of its length (meta's ``client_lease``, which the renewal
@@ -96,16 +101,32 @@ class RemoteMeta:
 class LocalMeta:
     """The same surface over a store in this process; operations run in worker threads."""
 
-    def __init__(self, store: MetaStore) -> None:
+    def __init__(self, store: MetaStore, *, feed_poll: float = 0.05) -> None:
         self.store = store
+        self.feed_poll = feed_poll
+
+    async def watch(self, caller: Caller, since: bytes, wait: float, limit: int = 1024) -> ChangePage:
+        """The change feed after ``since``: polled every ``feed_poll`` seconds for up to ``wait``."""
+        deadline = trio.current_time() + wait
+        while True:
+            page = await trio.to_thread.run_sync(
+                functools.partial(self.store.changes, since, limit=limit, skip_client=caller.client))
+            if page.changes or page.gap or page.more or not since or trio.current_time() >= deadline:
+                return page
+            since = page.cursor
+            await trio.sleep(self.feed_poll)
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name not in OPS:
             raise AttributeError(name)
         fn = getattr(self.store, name)
 
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
+            token = ORIGIN.set(caller.client)  # the worker thread runs in a copy of this context
+            try:
+                return await trio.to_thread.run_sync(functools.partial(fn, caller, *args, **kwargs))
+            finally:
+                ORIGIN.reset(token)
 
         call.__name__ = name
         return call

@@ -21,7 +21,7 @@ import msgspec
 
 from kvfs.wire import Method
 from meta.store import MetaStore
-from meta.types import Caller
+from meta.types import Caller, ChangePage
 
 #: Every operation served over RPC, in method-id order (append only), and whether a blind retry is safe.
 OPERATIONS: tuple[tuple[str, bool], ...] = (
@@ -125,3 +125,22 @@ def _available() -> dict[str, Operation]:
 
 
 OPS: dict[str, Operation] = _available()
+
+
+class WatchRequest(msgspec.Struct, kw_only=True):
+    """Long-poll the change feed: answered as soon as a change by another client follows ``since``, or after
+    ``wait`` seconds with none (then the page is empty and the cursor may still have moved)."""
+
+    caller: Caller
+    since: bytes = b""
+    wait: float = 0.0
+    limit: int = 1024
+
+
+class WatchResponse(msgspec.Struct):
+    value: ChangePage
+
+
+#: The feed's long poll lives in the service (the store never waits), so it is not derived from the store.
+WATCH = Method(METHOD_BASE + 99, "meta.watch", WatchRequest, WatchResponse, idempotent=True)
+MAX_WATCH_WAIT = 30.0  # seconds; a longer wait is cut to this, under every client's call timeout

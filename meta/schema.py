@@ -14,6 +14,8 @@ key                            value
 ("meta", "r", minute, op_id)   the answer to a non-idempotent request, for its retries (expires)
 ("meta", "k", client)          int64 LE: when the client last renewed its lease (meta's clock, ns)
 ("meta", "o", client, ino, s)  b"": the client owns write session s of ino (ended with it when the lease lapses)
+("meta", "f") + stamp          Change (msgpack): one committed transaction's changed inodes and entries (the feed)
+("meta", "F")                  stamp of the newest trimmed feed record: a reader behind it has missed changes
 =============================  ==========================================================
 """
 
@@ -25,6 +27,11 @@ NS = "meta"
 FORMAT = pack(NS, "format")
 INODE_COUNT = pack(NS, "n", "inodes")
 GC_RANGE = prefix_range(NS, "g")
+INODE_PREFIX = pack(NS, "i")
+DENTRY_PREFIX = pack(NS, "d")
+FEED = pack(NS, "f")  # followed by a raw commit-ordered stamp, not a tuple element
+FEED_RANGE = prefix_range(NS, "f")
+FEED_FLOOR = pack(NS, "F")
 
 
 def inode(ino: int) -> bytes:

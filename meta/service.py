@@ -7,6 +7,10 @@ the transaction, and concurrent writers in threads of one process only collided 
 with sleeps (measured: 8 clients' creates went from ~600/s to ~3,000/s). FoundationDB transactions wait on the
 network, so they run in worker threads. Inline transactions also run in the connection's reader task (no task
 per call): the handler has nothing to wait for.
+
+``meta.watch`` long-polls the change feed (:mod:`meta.feed`): a watcher wakes as soon as a call to this instance
+by another client commits a change, and re-reads the feed every ``feed_poll`` seconds for changes committed
+through other instances, which it has no other way to hear of.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import trio
 
 from kvfs import wire
 from kvfs.rpc import CallContext, RpcServer
-from meta.rpc import OPS, Operation
-from meta.store import MetaStore
+from meta.feed import ORIGIN
+from meta.rpc import MAX_WATCH_WAIT, OPS, WATCH, Operation, WatchRequest, WatchResponse
+from meta.store import FEED_SECONDS, MetaStore
 
 log = logging.getLogger("kvfs.meta")
 
@@ -29,12 +34,16 @@ log = logging.getLogger("kvfs.meta")
 class MetaService:
     """Serves :class:`MetaStore` operations over RPC and runs its garbage collector."""
 
-    def __init__(self, store: MetaStore, server: RpcServer, *, gc_interval: float = 5.0) -> None:
+    def __init__(self, store: MetaStore, server: RpcServer, *, gc_interval: float = 5.0,
+                 feed_poll: float = 0.2) -> None:
         self.store = store
         self.server = server
         self.gc_interval = gc_interval
+        self.feed_poll = feed_poll
+        self._watchers = _Watchers()
         for op in OPS.values():
             server.register(op.method, functools.partial(self._handle, op), inline=store.db.inline)
+        server.register(WATCH, self._watch)
 
     async def _handle(self, op: Operation, request: Any, data: memoryview | None, ctx: CallContext) -> Any:
         fn = getattr(self.store, op.name)
@@ -42,9 +51,34 @@ class MetaService:
         call = functools.partial(fn, request.caller, **args)
         if not op.method.idempotent and request.op_id:
             call = functools.partial(self._once, op, request.op_id, request.op_retry, call)
-        if self.store.db.inline:
-            return op.method.response(call())  # a thread round trip costs more than a local transaction
-        return op.method.response(await trio.to_thread.run_sync(call))
+        appended = self.store.db.appended
+        token = ORIGIN.set(request.caller.client)
+        try:
+            if self.store.db.inline:
+                value = call()  # a thread round trip costs more than a local transaction
+            else:
+                value = await trio.to_thread.run_sync(call)
+        finally:
+            ORIGIN.reset(token)
+            if self.store.db.appended != appended:
+                self._watchers.changed(by=request.caller.client)
+        return op.method.response(value)
+
+    async def _watch(self, request: WatchRequest, data: memoryview | None, ctx: CallContext) -> WatchResponse:
+        """Answer with the first page that holds another client's change (or a gap), or an empty one at the
+        deadline. An empty ``since`` is answered at once with the feed's head."""
+        me = request.caller.client
+        deadline = trio.current_time() + min(max(request.wait, 0.0), MAX_WATCH_WAIT)
+        since = request.since
+        while True:
+            read = functools.partial(self.store.changes, since, limit=request.limit, skip_client=me)
+            page = read() if self.store.db.inline else await trio.to_thread.run_sync(read)
+            left = deadline - trio.current_time()
+            if page.changes or page.gap or page.more or not since or left <= 0:
+                return WatchResponse(page)
+            since = page.cursor
+            with trio.move_on_after(min(left, self.feed_poll)):
+                await self._watchers.wait(me)
 
     def _once(self, op: Operation, op_id: bytes, retry: bool, call: Callable[[], Any]) -> Any:
         response = op.method.response
@@ -67,6 +101,8 @@ class MetaService:
             collected = 0
             try:
                 await trio.to_thread.run_sync(self.store.expire_answers)
+                while await trio.to_thread.run_sync(self.store.trim_changes, FEED_SECONDS, TRIM_BATCH) >= TRIM_BATCH:
+                    pass
                 expired = 0
                 while True:  # a full batch means the lapsed clients may own more sessions
                     ended = await trio.to_thread.run_sync(self.store.expire_clients, EXPIRE_BATCH)
@@ -90,6 +126,31 @@ class MetaService:
                 log.info("garbage-collected %s removed files", collected)
 
 
+class _Watchers:
+    """The watch calls waiting on this instance, by client: a change wakes every watcher but its maker's."""
+
+    def __init__(self) -> None:
+        self._events: dict[bytes, set[trio.Event]] = {}
+
+    async def wait(self, client: bytes) -> None:
+        event = trio.Event()
+        waiting = self._events.setdefault(client, set())
+        waiting.add(event)
+        try:
+            await event.wait()
+        finally:
+            waiting.discard(event)
+            if not waiting:
+                del self._events[client]
+
+    def changed(self, by: bytes) -> None:
+        for client, events in self._events.items():
+            if client != by or not client:
+                for event in events:
+                    event.set()
+
+
 GC_BATCH = 64
-EXPIRE_BATCH = 256  # sessions of lapsed clients ended per transaction
+EXPIRE_BATCH = 256
+TRIM_BATCH = 4096  # change-feed records dropped per transaction  # sessions of lapsed clients ended per transaction
 GC_DUTY = 0.25  # at most this share of the time goes to collecting while a backlog lasts

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import itertools
 import os
 import random
 import secrets
@@ -30,9 +31,11 @@ from kvfs.errors import KvfsError
 
 from . import schema
 from .chunks import ChunkRemover
+from .feed import FeedDatabase, decode_change, stamp_of
 from .kv import Database, Transaction
+from .kv.base import STAMP_BYTES
 from .kv.keys import decode_int, encode_int, key_after, unpack
-from .types import Attr, Caller, DirEntry, DirPage, Entry, Inode, Layout, Opened, Session, StatFs, TimeSpec
+from .types import Attr, Caller, ChangePage, DirEntry, DirPage, Entry, Inode, Layout, Opened, Session, StatFs, TimeSpec
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -55,6 +58,8 @@ R_OK, W_OK, X_OK = 4, 2, 1
 _KILL_SUID = stat.S_ISUID | stat.S_ISGID
 #: How long an answer to a non-idempotent request is kept for retries of it (clients retry for ~30 s).
 ANSWER_MINUTES = 10
+#: How long change-feed records are kept: a mount cut off from meta for longer drops its caches when it is back.
+FEED_SECONDS = 120.0
 
 
 class _Once(msgspec.Struct):
@@ -166,7 +171,7 @@ class MetaStore:
         without it statfs reports a nominal 1 PiB, all free.  ``chunk_remover`` is needed by :meth:`gc_once`.
         ``client_lease``: seconds a client may go without :meth:`renew_client` before :meth:`expire_clients`
         ends its write sessions."""
-        self.db = db
+        self.db = FeedDatabase(db, clock)
         self._remover = chunk_remover
         self._space = space
         self._root_layout = root_layout
@@ -987,3 +992,36 @@ class MetaStore:
             self._delete_inode(tr, ino)
             done += 1
         return done
+
+    # ------------------------------------------------------------------ change feed -------
+    def changes(self, since: bytes = b"", *, limit: int = 1024, skip_client: bytes = b"") -> ChangePage:
+        """The changes committed after cursor ``since`` (see :mod:`meta.feed`), in commit order, at most ``limit``.
+
+        An empty ``since`` starts at the feed's head: no changes, just the cursor to follow from. Changes made by
+        ``skip_client`` are left out (a mount knows its own), but the cursor still moves past them."""
+        return self.db.run(self._changes, since, max(1, limit), skip_client)
+
+    def _changes(self, tr: Transaction, since: bytes, limit: int, skip_client: bytes) -> ChangePage:
+        floor = tr.get(schema.FEED_FLOOR, snapshot=True) or bytes(STAMP_BYTES)
+        if not since or since < floor:
+            head = tr.get_range(*schema.FEED_RANGE, limit=1, reverse=True, snapshot=True)
+            return ChangePage(max(floor, stamp_of(head[0][0])) if head else floor, [], gap=bool(since))
+        rows = tr.get_range(key_after(schema.FEED + since), schema.FEED_RANGE[1], limit=limit, snapshot=True)
+        changes = [c for c in map(decode_change, (raw for _, raw in rows)) if not skip_client or c.client != skip_client]
+        cursor = stamp_of(rows[-1][0]) if rows else since
+        return ChangePage(cursor, changes, more=len(rows) == limit)
+
+    def trim_changes(self, keep_seconds: float = FEED_SECONDS, limit: int = 4096) -> int:
+        """Drop up to ``limit`` feed records older than ``keep_seconds``; returns how many. A reader whose cursor
+        is behind the newest dropped record then learns it has a gap (:meth:`changes`)."""
+        cutoff = self._clock() - int(keep_seconds * 1e9)
+
+        def fn(tr: Transaction) -> int:
+            rows = tr.get_range(*schema.FEED_RANGE, limit=limit, snapshot=True)
+            old = list(itertools.takewhile(lambda row: decode_change(row[1]).time_ns < cutoff, rows))
+            if old:
+                tr.clear_range(schema.FEED_RANGE[0], key_after(old[-1][0]))
+                tr.set(schema.FEED_FLOOR, stamp_of(old[-1][0]))
+            return len(old)
+
+        return self.db.run(fn)

@@ -146,3 +146,26 @@ class StatFs(msgspec.Struct):
 
 
 TimeSpec = int | Literal["now"] | None  # nanoseconds, the current time, or leave unchanged
+
+
+class Change(msgspec.Struct, array_like=True):
+    """One committed transaction's footprint in the change feed: whose attributes changed, which directory
+    entries appeared or went, and the client that made it (empty: one without a client id, such as GC)."""
+
+    client: bytes
+    time_ns: int
+    inodes: list[int]
+    entries: list[tuple[int, bytes]]  # (parent inode, name)
+
+
+class ChangePage(msgspec.Struct):
+    """What :meth:`meta.store.MetaStore.changes` returns: the changes after the caller's cursor, in commit order.
+
+    ``cursor`` is where to continue. ``gap``: the records after the caller's cursor were trimmed, so it has
+    missed changes it cannot learn (it must drop everything it caches); ``cursor`` is then the feed's head.
+    ``more``: the page is full, call again at once."""
+
+    cursor: bytes
+    changes: list[Change]
+    gap: bool = False
+    more: bool = False

@@ -139,3 +139,32 @@ async def test_a_retried_non_idempotent_call_runs_once_and_gets_the_first_answer
         with pytest.raises(KvfsError):
             await client.call(first, mkdir.method, mkdir.request(Caller(1000, 1000), (d.ino, b"sub", 0o755), {}, b"op-4"))
         assert (await client.call(first, mkdir.method, request)).value.ino > 0
+
+
+async def test_watch_wakes_at_another_clients_change_on_either_instance(meta_addresses):
+    """The feed's long poll: a change through the same instance wakes the watcher at once, one through the other
+    instance within its poll; the watcher's own changes never wake it; an idle watch ends empty at its wait."""
+    me, other = Caller(0, 0, client=b"watcher"), Caller(0, 0, client=b"other")
+    async with RpcClient(TOKEN) as client:
+        near, far = RemoteMeta(client, meta_addresses[:1]), RemoteMeta(client, meta_addresses[1:])
+        cursor = (await near.watch(me, b"", wait=5)).cursor  # an empty cursor: the head, at once
+        await near.mkdir(me, 1, b"mine", 0o755)
+        started = trio.current_time()
+        page = await near.watch(me, cursor, wait=0.5)
+        assert page.changes == [] and trio.current_time() - started >= 0.5  # only our own change: no wake-up
+        cursor = page.cursor
+        for via in (near, far):
+            async with trio.open_nursery() as nursery:
+                got = []
+
+                async def watch() -> None:
+                    got.append(await near.watch(me, cursor, wait=10))
+
+                nursery.start_soon(watch)
+                await trio.sleep(0.2)
+                started = trio.current_time()
+                made = await via.mkdir(other, 1, f"theirs-{len(meta_addresses)}-{id(via)}".encode(), 0o755)
+            assert trio.current_time() - started < 2
+            (change,) = got[0].changes
+            assert change.client == b"other" and made.ino in change.inodes
+            cursor = got[0].cursor

@@ -22,6 +22,7 @@ KeyValue = tuple[bytes, bytes]
 DEFAULT_MAX_BYTES = 10_000_000  # FoundationDB's transaction size limit
 DEFAULT_MAX_AGE_S = 5.0  # FoundationDB's transaction lifetime limit
 RETRYABLE = (TransactionConflict, TransactionTooOld)
+STAMP_BYTES = 10  # FoundationDB's versionstamp: 8-byte commit version, 2-byte order within the commit
 
 
 class Transaction(abc.ABC):
@@ -54,6 +55,13 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def max(self, key: bytes, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def set_stamped(self, prefix: bytes, value: bytes) -> None:
+        """Write ``value`` under ``prefix`` + a :data:`STAMP_BYTES`-byte stamp that grows in commit order across
+        every transaction (FoundationDB's versionstamped key). A reader that range-reads past the last stamp it
+        saw therefore never misses a committed record, which makes the keys a log; it adds no conflicts. At most
+        one per transaction; the key is not readable in the transaction that writes it."""
 
     @abc.abstractmethod
     def commit(self) -> None:

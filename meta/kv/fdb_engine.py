@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import threading
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
 
-from .base import DEFAULT_MAX_BYTES, Database, KeyValue, Transaction
+from .base import DEFAULT_MAX_BYTES, STAMP_BYTES, Database, KeyValue, Transaction
 from .keys import encode_int
 
 P = ParamSpec("P")
@@ -98,6 +99,10 @@ class FdbTransaction(Transaction):
 
     def max(self, key: bytes, value: int) -> None:
         self.tr.max(key, encode_int(value))
+
+    def set_stamped(self, prefix: bytes, value: bytes) -> None:
+        # the incomplete versionstamp's position follows the key as 4 bytes little-endian (API >= 520)
+        self.tr.set_versionstamped_key(prefix + b"\xff" * STAMP_BYTES + struct.pack("<I", len(prefix)), value)
 
     def commit(self) -> None:
         self._call(lambda: self.tr.commit().wait())

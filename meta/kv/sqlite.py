@@ -13,6 +13,8 @@ How a transaction maps onto SQLite:
 * A transaction that read only with ``snapshot=True`` (or not at all) cannot conflict: its
   writes are applied in a fresh ``BEGIN IMMEDIATE``, like FoundationDB's snapshot reads.
 * Atomic add/max read the stored value under the write lock at commit, so they never conflict.
+* Stamped keys (:meth:`Transaction.set_stamped`) take the next value of a counter kept under
+  ``_STAMP_KEY`` while the write lock is held, so stamps grow in commit order like versionstamps.
 
 Conflicts are detected at database granularity: any commit by anyone invalidates every open
 snapshot.  That gives false conflicts (retried, harmless) but never misses a real one.
@@ -27,11 +29,12 @@ from typing import Iterator
 
 from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
 
-from .base import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, Database, KeyValue, Transaction
+from .base import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, STAMP_BYTES, Database, KeyValue, Transaction
 from .buffer import Atomic, WriteBuffer
 
 SQLITE_BUSY = 5
 SQLITE_BUSY_SNAPSHOT = 517
+_STAMP_KEY = b"\xff/kvfs/stamp"  # outside every tuple-packed key space, like FoundationDB's system keys
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
 
 
@@ -106,6 +109,7 @@ class SqliteTransaction(Transaction):
     def reset(self) -> None:
         self._end_connection()
         self._buf = WriteBuffer()
+        self._stamped: tuple[bytes, bytes] | None = None
         self._conflicting_reads = False
         self._started = time.monotonic()
 
@@ -179,13 +183,19 @@ class SqliteTransaction(Transaction):
     def max(self, key: bytes, value: int) -> None:
         self._buf.atomic("max", bytes(key), value)
 
+    def set_stamped(self, prefix: bytes, value: bytes) -> None:
+        if self._stamped is not None:
+            raise ValueError("one stamped key per transaction")
+        self._stamped = (bytes(prefix), bytes(value))
+        self._buf.size += len(prefix) + STAMP_BYTES + len(value)
+
     # -- commit ----------------------------------------------------------------------------
     def commit(self) -> None:
         self._check_age()
         if self._buf.size > self._db.max_bytes:
             raise TransactionTooLarge(f"transaction writes {self._buf.size} bytes > {self._db.max_bytes}")
         try:
-            if self._buf:
+            if self._buf or self._stamped is not None:
                 conn = self._begin_write()
                 self._apply(conn)
                 conn.execute("COMMIT")
@@ -231,5 +241,11 @@ class SqliteTransaction(Transaction):
                 deletes.append((key,))
             else:
                 upserts.append((key, w))
+        if self._stamped is not None:
+            row = conn.execute("SELECT v FROM kv WHERE k = ?", (_STAMP_KEY,)).fetchone()
+            stamp = (int.from_bytes(row[0], "big") if row else 0) + 1
+            upserts.append((_STAMP_KEY, stamp.to_bytes(8, "big")))
+            prefix, value = self._stamped
+            upserts.append((prefix + stamp.to_bytes(8, "big") + bytes(STAMP_BYTES - 8), value))
         conn.executemany("DELETE FROM kv WHERE k = ?", deletes)
         conn.executemany("INSERT OR REPLACE INTO kv (k, v) VALUES (?, ?)", upserts)
