@@ -17,6 +17,8 @@ from typing import Any
 import pyfuse3
 import trio
 
+from meta.types import Caller
+
 from .ops import KvfsOperations
 
 log = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ async def run_mount(
     SIGTERM/SIGINT (dirty buffers are written out, then the mount is removed).
 
     ``ops_options`` go to :class:`KvfsOperations` (entry_timeout, attr_timeout, negative_timeout,
-    write_buffer, read_parallel, readdir_page, keep_cache, read_cache).  ``task_status.started()`` is called once the
+    write_buffer, read_parallel, readdir_page, keep_cache, read_cache, coherent_timeout).  ``task_status.started()`` is called once the
     mount exists, so ``await nursery.start(run_mount, ...)`` returns when it may be used."""
     ops = KvfsOperations(meta, storage, **ops_options)
     mountpoint = os.path.realpath(mountpoint)  # resolve now: after mounting, a stat would wait for us
@@ -121,6 +123,8 @@ async def run_mount(
                     nursery.start_soon(_on_signals, ops, signals, nursery.cancel_scope)
                 if read_ahead_kb:
                     nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
+                if ops.coherence is not None:
+                    nursery.start_soon(ops.coherence.follow, meta, Caller(os.getuid(), os.getgid(), client=ops.client_id))
                 task_status.started(ops)
                 await pyfuse3.main()
                 with trio.move_on_after(10):

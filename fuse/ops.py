@@ -32,6 +32,7 @@ from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp
+from .coherence import STARTED, Coherence, invalidate_attributes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def _fuse_errors(fn):
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
+        if self.coherence is not None:
+            STARTED.set(self.coherence.applied)  # each request runs in a task of its own
         try:
             return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
@@ -134,7 +137,10 @@ class KvfsOperations(pyfuse3.Operations):
         keep_cache: bool = False,
         groups_ttl: float = 1.0,
         read_cache: int = 256 * MIB,
+        coherent_timeout: float = 60.0,
     ) -> None:
+        """``entry_timeout``/``attr_timeout`` are what the kernel gets while the change feed is not followed;
+        while it is, ``coherent_timeout`` (0: never follow it). See fuse/coherence.py."""
         super().__init__()
         self.meta = meta
         self.storage = storage
@@ -148,6 +154,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
         self.cache = BlockCache(read_cache) if read_cache else None
+        self.coherence = Coherence(coherent_timeout) if coherent_timeout > 0 and hasattr(meta, "watch") else None
         self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's write sessions
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
@@ -187,7 +194,8 @@ class KvfsOperations(pyfuse3.Operations):
         return Caller(ctx.uid, ctx.gid, gids, ctx.pid, self.client_id)
 
     # ------------------------------------------------------------------ attributes --------
-    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, attr: Attr, parent: int | None = None, name: bytes | None = None) -> pyfuse3.EntryAttributes:
+        """The kernel's copy of ``attr``, as the entry ``name`` in ``parent`` when those are given."""
         e = pyfuse3.EntryAttributes()
         e.st_ino = attr.ino
         e.generation = attr.generation
@@ -211,8 +219,12 @@ class KvfsOperations(pyfuse3.Operations):
         e.st_atime_ns = attr.atime_ns
         e.st_mtime_ns = attr.mtime_ns
         e.st_ctime_ns = attr.ctime_ns
-        e.entry_timeout = self.entry_timeout
-        e.attr_timeout = self.attr_timeout
+        if self.coherence is None:
+            e.entry_timeout, e.attr_timeout = self.entry_timeout, self.attr_timeout
+        else:
+            e.entry_timeout = self.coherence.timeout(self.entry_timeout)
+            e.attr_timeout = self.coherence.timeout(self.attr_timeout)
+            self.coherence.handed(attr.ino, parent, name)
         return e
 
     async def _layout(self, caller: Caller, ino: int) -> Layout:
@@ -236,7 +248,7 @@ class KvfsOperations(pyfuse3.Operations):
                 neg.entry_timeout = self.negative_timeout
                 return neg
             raise
-        return self._entry(attr)
+        return self._entry(attr, parent_inode, name)
 
     @_fuse_errors
     async def getattr(self, inode, ctx):
@@ -302,12 +314,12 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._entry(await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev))
+        return self._entry(await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev), parent_inode, name)
 
     @_fuse_errors
     @_changes_directories
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode))
+        return self._entry(await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode), parent_inode, name)
 
     @_fuse_errors
     @_changes_directories
@@ -322,7 +334,7 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._entry(await self.meta.symlink(self._caller(ctx), parent_inode, name, target))
+        return self._entry(await self.meta.symlink(self._caller(ctx), parent_inode, name, target), parent_inode, name)
 
     @_fuse_errors
     async def readlink(self, inode, ctx):
@@ -331,7 +343,8 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._entry(await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name))
+        return self._entry(await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name),
+                           new_parent_inode, new_name)
 
     @_fuse_errors
     @_changes_directories
@@ -414,7 +427,8 @@ class KvfsOperations(pyfuse3.Operations):
                 d.base = start_id
             while d.entries:
                 name, attr = d.entries[0]
-                if not pyfuse3.readdir_reply(token, name, self._entry(attr), start_id + 1):
+                named = (d.ino, name) if name not in (b".", b"..") else (None, None)
+                if not pyfuse3.readdir_reply(token, name, self._entry(attr, *named), start_id + 1):
                     return
                 start_id += 1
                 del d.entries[0]
@@ -491,7 +505,7 @@ class KvfsOperations(pyfuse3.Operations):
         if opened.parent is not None:
             self._fresh_dir(parent_inode, opened.parent)
         fi = await self._attach(caller, opened, flags)
-        return fi, self._entry(opened.attr)
+        return fi, self._entry(opened.attr, parent_inode, name)
 
     def _fresh_dir(self, ino: int, attr: Attr) -> None:
         """Keep a directory's attributes that meta returned from our own change of it. The kernel drops its cached
@@ -618,6 +632,7 @@ class KvfsOperations(pyfuse3.Operations):
         st.size = max(st.size, end)
         if h.session is not None:
             await self.meta.report_length(h.caller, st.ino, h.session, end)
+            self._attributes_changed_here(st.ino)
 
     async def _wait_inflight(self, h: _Handle) -> None:
         while h.inflight is not None:
@@ -692,6 +707,13 @@ class KvfsOperations(pyfuse3.Operations):
         self._raise_error(h)
         if h.session is not None:
             await self.meta.set_length(h.caller, st.ino, h.session, st.size)
+            self._attributes_changed_here(st.ino)
+
+    def _attributes_changed_here(self, ino: int) -> None:
+        """Meta changed attributes the kernel did not change itself (a length report sets size and mtime). The
+        feed leaves out this mount's own changes, so the kernel's copy, perhaps kept for long, is dropped here."""
+        if self.coherence is not None:
+            invalidate_attributes(ino)
 
     @_fuse_errors
     async def release(self, fh):

@@ -120,25 +120,32 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
 @click.argument("mountpoint", type=click.Path(file_okay=False, exists=True))
 @click.option("--read-ahead-kb", default=4096, show_default=True, help="Kernel readahead for the mount.")
 @click.option("--attr-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Seconds the kernel may keep a file's attributes without asking meta.")
+              help="Seconds the kernel may keep a file's attributes without asking meta, while the change feed "
+                   "is not followed.")
 @click.option("--entry-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Seconds the kernel may keep a name -> inode lookup without asking meta.")
+              help="Seconds the kernel may keep a name -> inode lookup without asking meta, while the change "
+                   "feed is not followed.")
 @click.option("--negative-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds the kernel may remember that a name does not exist (0: never).")
 @click.option("--read-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
               help="MiB of recently read 64 KiB blocks kept for small reads (close-to-open coherent; 0: off).")
+@click.option("--coherent-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds the kernel may keep entries and attributes while the mount follows meta's change "
+                   "feed (0: do not follow it; the timeouts above then always apply).")
 def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, attr_timeout: float,
-              entry_timeout: float, negative_timeout: float, read_cache_mb: int) -> None:
+              entry_timeout: float, negative_timeout: float, read_cache_mb: int, coherent_timeout: float) -> None:
     """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
 
-    The timeouts trade coherence for speed: this mount's own changes are seen at once, other clients' changes
-    after at most the timeout; longer ones save a metadata round trip per stat and path lookup."""
+    The mount follows meta's change feed: other clients' changes reach the kernel's caches within
+    milliseconds, so entries and attributes are kept for --coherent-timeout. While the feed cannot be
+    followed, the --entry/--attr-timeout values apply, and other clients' changes show after them."""
     from fuse.main import serve_mount
 
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
                                       attr_timeout=attr_timeout, entry_timeout=entry_timeout,
-                                      negative_timeout=negative_timeout, read_cache=read_cache_mb << 20))
+                                      negative_timeout=negative_timeout, read_cache=read_cache_mb << 20,
+                                      coherent_timeout=coherent_timeout))
 
 
 @main.command("up")
