@@ -6,6 +6,12 @@ invalidation. When the feed lapses (no answer within its wait plus ``grace``) or
 know what changed: it invalidates every entry and inode it handed to the kernel and replies with the short
 timeouts until the feed answers again.
 
+For directories whose whole listing it holds (it created them) the mount also answers the lookup of an absent
+name itself (:meth:`Coherence.absent`), so ``open(O_CREAT)`` of a new name costs one meta call, not two. Such a
+listing stays complete only while this mount's own changes update it and no other client touches the directory:
+a foreign change of any of its entries, a lapse, or a failed change of our own (its outcome may be unknown)
+drops it. A create that raced another client's create of the same name reaches meta, which decides.
+
 A reply races an invalidation when meta read the state before another client's change but the reply reaches
 the kernel after the mount applied that change. Handlers note :attr:`Coherence.applied` when they start
 (:data:`STARTED`); a reply gets the long timeout only if no foreign change was applied since.
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 #: ``Coherence.applied`` when the current request handler started (-1: outside a handler).
 STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("kvfs_fuse_started", default=-1)
 KNOWN_NAMES = 1 << 20  # names handed to the kernel that a lapse invalidates; older ones are forgotten
+LISTINGS = 1024  # complete directory listings kept (least recently used go first)
+LISTING_NAMES = 1 << 16  # a directory with more names is not kept
 
 
 class Coherence:
@@ -41,6 +49,7 @@ class Coherence:
         self.applied = 0  # foreign changes applied so far
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
+        self._listings: OrderedDict[int, set[bytes]] = OrderedDict()  # directory -> every name in it
 
     def timeout(self, short: float) -> float:
         """The timeout for a reply made now by the current handler."""
@@ -54,6 +63,34 @@ class Coherence:
         _remember(self._inodes, ino)
         if parent is not None and name is not None:
             _remember(self._names, (parent, name))
+
+    # -------------------------------------------------------------- complete listings --------
+    def absent(self, parent: int, name: bytes) -> bool:
+        """True when ``name`` is certainly not in ``parent`` (as far as the feed has told us)."""
+        names = self._listings.get(parent)
+        return self.live and names is not None and name not in names and name not in (b".", b"..")
+
+    def listing_made(self, ino: int) -> None:
+        """This mount created directory ``ino``: its (empty) listing is complete."""
+        self._listings[ino] = set()
+        while len(self._listings) > LISTINGS:
+            self._listings.popitem(last=False)
+
+    def named(self, parent: int, name: bytes) -> None:
+        names = self._listings.get(parent)
+        if names is not None:
+            names.add(name)
+            self._listings.move_to_end(parent)
+            if len(names) > LISTING_NAMES:
+                del self._listings[parent]
+
+    def unnamed(self, parent: int, name: bytes) -> None:
+        names = self._listings.get(parent)
+        if names is not None:
+            names.discard(name)
+
+    def forget_listings(self) -> None:
+        self._listings.clear()
 
     async def follow(self, meta: Any, caller: Caller) -> None:
         """Follow the feed forever (run it in the mount's nursery)."""
@@ -83,11 +120,13 @@ class Coherence:
             for ino in change.inodes:
                 invalidate_attributes(ino)
             for parent, name in change.entries:
+                self._listings.pop(parent, None)
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     def _lapse(self) -> None:
         self.live = False
         self.applied += 1
+        self._listings.clear()
         names, self._names = self._names, OrderedDict()
         inodes, self._inodes = self._inodes, OrderedDict()
         for ino in inodes:

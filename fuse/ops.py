@@ -41,12 +41,18 @@ MIB = 1 << 20
 
 def _changes_directories(fn):
     """Marks an operation that may change directories' attributes: directory attributes kept from earlier changes
-    of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs."""
+    of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs. If it fails, its outcome may be
+    unknown (meta unreachable), so complete listings (fuse/coherence.py) are forgotten too."""
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
         self._fresh_dirs.clear()
-        return await fn(self, *args, **kwargs)
+        try:
+            return await fn(self, *args, **kwargs)
+        except BaseException:
+            if self.coherence is not None:
+                self.coherence.forget_listings()
+            raise
 
     return wrapper
 
@@ -239,16 +245,29 @@ class KvfsOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ namespace ---------
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
+        if self.coherence is not None and self.coherence.absent(parent_inode, name):
+            return self._negative()
         try:
             attr = await self.meta.lookup(self._caller(ctx), parent_inode, name)
         except OSError as e:
-            if e.errno == errno.ENOENT and self.negative_timeout > 0:
-                neg = pyfuse3.EntryAttributes()
-                neg.st_ino = 0  # a negative entry: the kernel remembers the name is absent
-                neg.entry_timeout = self.negative_timeout
-                return neg
+            if e.errno == errno.ENOENT:
+                return self._negative()
             raise
         return self._entry(attr, parent_inode, name)
+
+    def _negative(self) -> pyfuse3.EntryAttributes:
+        if self.negative_timeout <= 0:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        neg = pyfuse3.EntryAttributes()
+        neg.st_ino = 0  # a negative entry: the kernel remembers the name is absent
+        neg.entry_timeout = self.negative_timeout
+        return neg
+
+    def _named(self, parent: int, name: bytes, attr: Attr) -> pyfuse3.EntryAttributes:
+        """The reply to a change of ours that gave ``name`` in ``parent`` to ``attr``'s inode."""
+        if self.coherence is not None:
+            self.coherence.named(parent, name)
+        return self._entry(attr, parent, name)
 
     @_fuse_errors
     async def getattr(self, inode, ctx):
@@ -314,27 +333,34 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._entry(await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev), parent_inode, name)
+        return self._named(parent_inode, name, await self.meta.mknod(self._caller(ctx), parent_inode, name, mode, rdev))
 
     @_fuse_errors
     @_changes_directories
     async def mkdir(self, parent_inode, name, mode, ctx):
-        return self._entry(await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode), parent_inode, name)
+        attr = await self.meta.mkdir(self._caller(ctx), parent_inode, name, mode)
+        if self.coherence is not None:
+            self.coherence.listing_made(attr.ino)
+        return self._named(parent_inode, name, attr)
 
     @_fuse_errors
     @_changes_directories
     async def unlink(self, parent_inode, name, ctx):
         self._fresh_dir(parent_inode, await self.meta.unlink(self._caller(ctx), parent_inode, name))
+        if self.coherence is not None:
+            self.coherence.unnamed(parent_inode, name)
 
     @_fuse_errors
     @_changes_directories
     async def rmdir(self, parent_inode, name, ctx):
         self._fresh_dir(parent_inode, await self.meta.rmdir(self._caller(ctx), parent_inode, name))
+        if self.coherence is not None:
+            self.coherence.unnamed(parent_inode, name)
 
     @_fuse_errors
     @_changes_directories
     async def symlink(self, parent_inode, name, target, ctx):
-        return self._entry(await self.meta.symlink(self._caller(ctx), parent_inode, name, target), parent_inode, name)
+        return self._named(parent_inode, name, await self.meta.symlink(self._caller(ctx), parent_inode, name, target))
 
     @_fuse_errors
     async def readlink(self, inode, ctx):
@@ -343,14 +369,17 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._entry(await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name),
-                           new_parent_inode, new_name)
+        return self._named(new_parent_inode, new_name,
+                           await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name))
 
     @_fuse_errors
     @_changes_directories
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         # pyfuse3.RENAME_NOREPLACE/EXCHANGE are Linux's values, which meta uses too
         await self.meta.rename(self._caller(ctx), parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        if self.coherence is not None and not flags & pyfuse3.RENAME_EXCHANGE:  # an exchange keeps both names
+            self.coherence.unnamed(parent_inode_old, name_old)
+            self.coherence.named(parent_inode_new, name_new)
 
     async def forget(self, inode_list):
         for ino, _ in inode_list:
@@ -501,11 +530,22 @@ class KvfsOperations(pyfuse3.Operations):
     @_changes_directories
     async def create(self, parent_inode, name, mode, flags, ctx):
         caller = self._caller(ctx)
-        opened = await self.meta.create(caller, parent_inode, name, mode, flags)
+        try:
+            opened = await self.meta.create(caller, parent_inode, name, mode, flags)
+        except OSError as e:
+            if e.errno != errno.EEXIST or flags & os.O_EXCL:
+                raise
+            # The kernel thought the name absent (a negative entry, perhaps ours from a listing that another
+            # client's create of the same name overtook): without O_EXCL, open what is there.
+            attr = await self.meta.lookup(caller, parent_inode, name)
+            started = STARTED.get()
+            fi = await self.open(attr.ino, flags & ~os.O_CREAT, ctx)
+            STARTED.set(started)  # open() noted its own start: this reply's is earlier
+            return fi, self._named(parent_inode, name, attr)
         if opened.parent is not None:
             self._fresh_dir(parent_inode, opened.parent)
         fi = await self._attach(caller, opened, flags)
-        return fi, self._entry(opened.attr, parent_inode, name)
+        return fi, self._named(parent_inode, name, opened.attr)
 
     def _fresh_dir(self, ino: int, attr: Attr) -> None:
         """Keep a directory's attributes that meta returned from our own change of it. The kernel drops its cached

@@ -344,6 +344,42 @@ def test_a_second_mount_sees_other_clients_changes_at_once_through_the_change_fe
         _soon(lambda: _size(first / "moved") is None, "the first mount to see the unlink")
 
 
+def test_a_directory_this_mount_made_answers_absent_names_itself_but_another_clients_names_win(cluster, tmp_path):
+    """The mount answers lookups of absent names in a directory it created from its own listing; once another
+    client adds a name there, the feed drops that listing, and even a create that overtakes the feed opens (or,
+    with O_EXCL, refuses) the other client's file as meta decides."""
+    with second_mount(cluster, tmp_path / "second", "--entry-timeout", "60", "--attr-timeout", "60") as second:
+        time.sleep(0.5)
+        d = cluster.mount / "made-here"
+        d.mkdir()
+        for i in range(20):
+            (d / f"f{i}").write_bytes(b"mine")
+        assert not (d / "absent").exists()
+        _soon(lambda: (second / "made-here" / "f0").exists(), "the second mount to see the new files")
+        (second / "made-here" / "theirs").write_bytes(b"theirs")
+        fd = os.open(d / "theirs", os.O_CREAT | os.O_WRONLY, 0o644)  # at once: the feed may not be here yet
+        os.close(fd)
+        assert (d / "theirs").read_bytes() == b"theirs"  # opened, not created over
+        with pytest.raises(FileExistsError):
+            os.open(d / "theirs", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        assert sorted(os.listdir(d)) == sorted([f"f{i}" for i in range(20)] + ["theirs"])
+
+
+def test_a_mount_follows_the_feed_again_after_meta_was_killed_and_restarted(cluster, tmp_path):
+    """kill -9 meta for longer than the feed's wait and grace: the second mount lapses (drops what it gave the
+    kernel, short timeouts), and once ``kvfs up`` has restarted meta it follows the feed again, so another
+    client's change shows at once although its short timeouts are 60 s."""
+    with second_mount(cluster, tmp_path / "second", "--entry-timeout", "60", "--attr-timeout", "60") as second:
+        time.sleep(0.5)
+        (cluster.mount / "across").write_bytes(b"1")
+        _soon(lambda: _size(second / "across") == 1, "the second mount to see the file")
+        cluster.kill("meta")
+        time.sleep(8)  # past 5 s wait + 2 s grace
+        cluster.up()
+        (cluster.mount / "across").write_bytes(b"22")
+        _soon(lambda: _size(second / "across") == 2, "the second mount to follow the restarted feed", within=10)
+
+
 def _small_read(path, offset: int, n: int = 4096) -> bytes:
     fd = os.open(path, os.O_RDONLY)
     try:
