@@ -108,8 +108,9 @@ async def run_mount(
     SIGTERM/SIGINT (dirty buffers are written out, then the mount is removed).
 
     ``ops_options`` go to :class:`KvfsOperations` (entry_timeout, attr_timeout, negative_timeout,
-    write_buffer, read_parallel, readdir_page, keep_cache, read_cache, coherent_timeout).  ``task_status.started()`` is called once the
-    mount exists, so ``await nursery.start(run_mount, ...)`` returns when it may be used."""
+    write_buffer, read_parallel, readdir_page, keep_cache, read_cache, coherent_timeout).
+    ``task_status.started()`` is called once the mount exists, so ``await nursery.start(run_mount, ...)`` returns
+    when it may be used."""
     ops = KvfsOperations(meta, storage, **ops_options)
     mountpoint = os.path.realpath(mountpoint)  # resolve now: after mounting, a stat would wait for us
     # The receiver stays open until the mount is gone: a second SIGTERM (e.g. from timeout(1) and a
@@ -124,7 +125,8 @@ async def run_mount(
                 if read_ahead_kb:
                     nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
                 if ops.coherence is not None:
-                    nursery.start_soon(ops.coherence.follow, meta, Caller(os.getuid(), os.getgid(), client=ops.client_id))
+                    follower = Caller(os.getuid(), os.getgid(), client=ops.client_id)
+                    nursery.start_soon(ops.coherence.follow, meta, follower)
                 task_status.started(ops)
                 await pyfuse3.main()
                 with trio.move_on_after(10):

@@ -20,7 +20,7 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
-from meta.feed import ORIGIN
+from meta.feed import ORIGIN, long_poll
 from meta.rpc import OPS, WATCH, WatchRequest
 from meta.store import MetaStore
 from meta.types import Caller, ChangePage
@@ -107,14 +107,12 @@ class LocalMeta:
 
     async def watch(self, caller: Caller, since: bytes, wait: float, limit: int = 1024) -> ChangePage:
         """The change feed after ``since``: polled every ``feed_poll`` seconds for up to ``wait``."""
-        deadline = trio.current_time() + wait
-        while True:
-            page = await trio.to_thread.run_sync(
-                functools.partial(self.store.changes, since, limit=limit, skip_client=caller.client))
-            if page.changes or page.gap or page.more or not since or trio.current_time() >= deadline:
-                return page
-            since = page.cursor
-            await trio.sleep(self.feed_poll)
+
+        async def read(cursor: bytes) -> ChangePage:
+            call = functools.partial(self.store.changes, cursor, limit=limit, skip_client=caller.client)
+            return await trio.to_thread.run_sync(call)
+
+        return await long_poll(read, since, wait, lambda left: trio.sleep(min(left, self.feed_poll)))
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name not in OPS:

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Awaitable
 from typing import Callable, Concatenate, ParamSpec, TypeVar
 
 import msgspec
+import trio
 
 from . import schema
 from .kv import Database, KeyValue, Transaction
 from .kv.keys import unpack
-from .types import Change
+from .types import Change, ChangePage
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -127,3 +129,19 @@ def stamp_of(key: bytes) -> bytes:
 
 
 decode_change = msgspec.msgpack.Decoder(Change).decode
+
+
+async def long_poll(
+    read: Callable[[bytes], Awaitable[ChangePage]], since: bytes, wait: float, pause: Callable[[float], Awaitable[None]]
+) -> ChangePage:
+    """Read the feed after ``since`` until a page has news (changes, a gap, more to come) or ``wait`` seconds are
+    up. ``pause(left)`` waits, at most ``left`` seconds, for a reason to read again. An empty ``since`` asks for the
+    head and is answered at once."""
+    deadline = trio.current_time() + wait
+    while True:
+        page = await read(since)
+        left = deadline - trio.current_time()
+        if page.changes or page.gap or page.more or not since or left <= 0:
+            return page
+        since = page.cursor
+        await pause(left)

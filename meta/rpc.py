@@ -143,4 +143,4 @@ class WatchResponse(msgspec.Struct):
 
 #: The feed's long poll lives in the service (the store never waits), so it is not derived from the store.
 WATCH = Method(METHOD_BASE + 99, "meta.watch", WatchRequest, WatchResponse, idempotent=True)
-MAX_WATCH_WAIT = 30.0  # seconds; a longer wait is cut to this, under every client's call timeout
+MAX_WATCH_WAIT = 20.0  # seconds; a longer wait is cut to this, under the clients' call timeout (30 s default)

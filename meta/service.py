@@ -24,9 +24,10 @@ import trio
 
 from kvfs import wire
 from kvfs.rpc import CallContext, RpcServer
-from meta.feed import ORIGIN
+from meta.feed import ORIGIN, long_poll
 from meta.rpc import MAX_WATCH_WAIT, OPS, WATCH, Operation, WatchRequest, WatchResponse
 from meta.store import FEED_SECONDS, MetaStore
+from meta.types import ChangePage
 
 log = logging.getLogger("kvfs.meta")
 
@@ -68,17 +69,17 @@ class MetaService:
         """Answer with the first page that holds another client's change (or a gap), or an empty one at the
         deadline. An empty ``since`` is answered at once with the feed's head."""
         me = request.caller.client
-        deadline = trio.current_time() + min(max(request.wait, 0.0), MAX_WATCH_WAIT)
-        since = request.since
-        while True:
-            read = functools.partial(self.store.changes, since, limit=request.limit, skip_client=me)
-            page = read() if self.store.db.inline else await trio.to_thread.run_sync(read)
-            left = deadline - trio.current_time()
-            if page.changes or page.gap or page.more or not since or left <= 0:
-                return WatchResponse(page)
-            since = page.cursor
+
+        async def read(since: bytes) -> ChangePage:
+            call = functools.partial(self.store.changes, since, limit=request.limit, skip_client=me)
+            return call() if self.store.db.inline else await trio.to_thread.run_sync(call)
+
+        async def pause(left: float) -> None:
             with trio.move_on_after(min(left, self.feed_poll)):
                 await self._watchers.wait(me)
+
+        wait = min(max(request.wait, 0.0), MAX_WATCH_WAIT)
+        return WatchResponse(await long_poll(read, request.since, wait, pause))
 
     def _once(self, op: Operation, op_id: bytes, retry: bool, call: Callable[[], Any]) -> Any:
         response = op.method.response
