@@ -12,6 +12,11 @@ listing stays complete only while this mount's own changes update it and no othe
 a foreign change of any of its entries, a lapse, or a failed change of our own (its outcome may be unknown)
 drops it. A create that raced another client's create of the same name reaches meta, which decides.
 
+The mount also keeps ``security.*`` xattr answers (present or absent) while the feed is live. The kernel asks for
+``security.capability`` before every write to see whether the write must drop file capabilities, and a meta round
+trip per write request was a tenth of a 1 MiB write's time. Reading ``security.*`` needs no permission, so one
+answer serves every caller; an xattr change touches its inode, so the feed reports it like any other change.
+
 A reply races an invalidation when meta read the state before another client's change but the reply reaches
 the kernel after the mount applied that change. Handlers note :attr:`Coherence.applied` when they start
 (:data:`STARTED`); a reply gets the long timeout only if no foreign change was applied since.
@@ -36,6 +41,9 @@ STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("kvfs_fuse_started
 KNOWN_NAMES = 1 << 20  # names handed to the kernel that a lapse invalidates; older ones are forgotten
 LISTINGS = 1024  # complete directory listings kept (least recently used go first)
 LISTING_NAMES = 1 << 16  # a directory with more names is not kept
+XATTR_INODES = 1 << 16  # inodes whose security.* xattr answers are kept (least recently used go first)
+#: What :meth:`Coherence.xattr` returns when it holds no answer (None means: known to be absent).
+UNKNOWN = object()
 
 
 class Coherence:
@@ -50,6 +58,8 @@ class Coherence:
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
         self._listings: OrderedDict[int, set[bytes]] = OrderedDict()  # directory -> every name in it
+        self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
+        self.xattr_changes = 0  # this mount's own xattr changes so far (the feed leaves them out)
 
     def timeout(self, short: float) -> float:
         """The timeout for a reply made now by the current handler."""
@@ -92,6 +102,33 @@ class Coherence:
     def forget_listings(self) -> None:
         self._listings.clear()
 
+    # -------------------------------------------------------------- security.* xattrs -------
+    def xattr(self, ino: int, name: bytes) -> bytes | None | object:
+        """The kept value of ``name`` on ``ino`` (None: it has none), or :data:`UNKNOWN`."""
+        if not self.live:
+            return UNKNOWN
+        names = self._xattrs.get(ino)
+        return UNKNOWN if names is None else names.get(name, UNKNOWN)
+
+    def keep_xattr(self, ino: int, name: bytes, value: bytes | None, asked_at: int) -> None:
+        """Keep meta's answer, unless a change (foreign, or an xattr change of our own: ``asked_at`` is
+        :attr:`xattr_changes` when it was asked) was applied since the current handler asked for it."""
+        if not (self.live and STARTED.get() == self.applied and asked_at == self.xattr_changes
+                and name.startswith(b"security.")):
+            return
+        names = self._xattrs.get(ino)
+        if names is None:
+            names = self._xattrs[ino] = {}
+            if len(self._xattrs) > XATTR_INODES:
+                self._xattrs.popitem(last=False)
+        self._xattrs.move_to_end(ino)
+        names[name] = value
+
+    def drop_xattrs(self, ino: int) -> None:
+        """This mount changed ``ino``'s xattrs, or tried to (its own changes do not come back through the feed)."""
+        self.xattr_changes += 1
+        self._xattrs.pop(ino, None)
+
     async def follow(self, meta: Any, caller: Caller) -> None:
         """Follow the feed forever (run it in the mount's nursery)."""
         cursor = b""
@@ -118,6 +155,7 @@ class Coherence:
         for change in page.changes:
             self.applied += 1
             for ino in change.inodes:
+                self._xattrs.pop(ino, None)
                 invalidate_attributes(ino)
             for parent, name in change.entries:
                 self._listings.pop(parent, None)
@@ -127,6 +165,7 @@ class Coherence:
         self.live = False
         self.applied += 1
         self._listings.clear()
+        self._xattrs.clear()
         names, self._names = self._names, OrderedDict()
         inodes, self._inodes = self._inodes, OrderedDict()
         for ino in inodes:

@@ -32,7 +32,7 @@ from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp
-from .coherence import STARTED, Coherence, invalidate_attributes
+from .coherence import STARTED, UNKNOWN, Coherence, invalidate_attributes
 
 log = logging.getLogger(__name__)
 
@@ -415,11 +415,29 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def setxattr(self, inode, name, value, ctx):
-        await self.meta.setxattr(self._caller(ctx), inode, name, value)
+        try:
+            await self.meta.setxattr(self._caller(ctx), inode, name, value)
+        finally:
+            self._xattrs_changed_here(inode)
 
     @_fuse_errors
     async def getxattr(self, inode, name, ctx):
-        return await self.meta.getxattr(self._caller(ctx), inode, name)
+        if self.coherence is None:
+            return await self.meta.getxattr(self._caller(ctx), inode, name)
+        known = self.coherence.xattr(inode, name)
+        if known is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        if known is not UNKNOWN:
+            return known
+        asked_at = self.coherence.xattr_changes
+        try:
+            value = await self.meta.getxattr(self._caller(ctx), inode, name)
+        except OSError as e:
+            if e.errno == errno.ENODATA:
+                self.coherence.keep_xattr(inode, name, None, asked_at)
+            raise
+        self.coherence.keep_xattr(inode, name, value, asked_at)
+        return value
 
     @_fuse_errors
     async def listxattr(self, inode, ctx):
@@ -428,7 +446,15 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def removexattr(self, inode, name, ctx):
-        await self.meta.removexattr(self._caller(ctx), inode, name)
+        try:
+            await self.meta.removexattr(self._caller(ctx), inode, name)
+        finally:
+            self._xattrs_changed_here(inode)
+
+    def _xattrs_changed_here(self, ino: int) -> None:
+        """After the call: an answer kept before is dropped, and one read while the call ran is not kept."""
+        if self.coherence is not None:
+            self.coherence.drop_xattrs(ino)
 
     # ------------------------------------------------------------------ directories -------
     @_fuse_errors

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from fuse.coherence import STARTED, Coherence
+from fuse.coherence import STARTED, UNKNOWN, Coherence
+from meta.types import Change, ChangePage
 
 
 def test_long_timeouts_only_while_live_and_only_for_replies_no_change_overtook():
@@ -30,3 +31,31 @@ def test_a_lapse_forgets_what_the_kernel_was_given_and_goes_short():
     c._lapse()  # the kernel does not hold inode 5 here (no mount): the invalidation is a no-op
     assert not c.live and c.timeout(1.0) == 1.0
     assert not c._inodes and not c._names
+
+
+def test_security_xattr_answers_are_kept_while_live_and_dropped_by_any_change():
+    c = Coherence(60.0)
+    STARTED.set(c.applied)
+    c.keep_xattr(7, b"security.capability", None, c.xattr_changes)
+    assert c.xattr(7, b"security.capability") is UNKNOWN  # not following the feed: nothing is kept
+    c.live = True
+    c.keep_xattr(7, b"security.capability", None, c.xattr_changes)
+    c.keep_xattr(7, b"security.selinux", b"label", c.xattr_changes)
+    c.keep_xattr(7, b"user.note", b"per caller", c.xattr_changes)  # user.* depends on the caller's access
+    assert c.xattr(7, b"security.capability") is None and c.xattr(7, b"security.selinux") == b"label"
+    assert c.xattr(7, b"user.note") is UNKNOWN
+    c.apply(ChangePage(b"c1", [Change(b"other", 0, [7], [])], False, False))  # another client touched inode 7
+    assert c.xattr(7, b"security.capability") is UNKNOWN
+    STARTED.set(c.applied)
+    asked_at = c.xattr_changes
+    c.drop_xattrs(7)  # this mount's own setxattr ended while the answer was on its way
+    c.keep_xattr(7, b"security.capability", None, asked_at)
+    assert c.xattr(7, b"security.capability") is UNKNOWN
+    before_foreign = c.applied
+    c.keep_xattr(7, b"security.capability", None, c.xattr_changes)
+    c._lapse()
+    assert c.xattr(7, b"security.capability") is UNKNOWN
+    c.live = True
+    STARTED.set(before_foreign)  # a handler that started before a foreign change was applied
+    c.keep_xattr(8, b"security.capability", None, c.xattr_changes)
+    assert c.xattr(8, b"security.capability") is UNKNOWN

@@ -344,6 +344,35 @@ def test_a_second_mount_sees_other_clients_changes_at_once_through_the_change_fe
         _soon(lambda: _size(first / "moved") is None, "the first mount to see the unlink")
 
 
+def _xattr(path, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name)
+    except OSError as e:
+        if e.errno != errno.ENODATA:
+            raise
+        return None
+
+
+def test_kept_security_xattr_answers_follow_this_and_other_clients_changes(cluster, tmp_path):
+    """The mount keeps security.* answers (the kernel asks for security.capability before every write) while it
+    follows the feed: its own set and remove show at once, another client's within half a second."""
+    with second_mount(cluster, tmp_path / "second") as second:
+        time.sleep(0.5)
+        f = cluster.mount / "labelled"
+        f.write_bytes(b"data")
+        assert _xattr(f, "security.kvfs-test") is None  # absent, and now kept as absent
+        with open(f, "ab") as out:
+            out.write(b"more")  # the write's capability probe is answered from what is kept
+        os.setxattr(f, "security.kvfs-test", b"one")
+        assert _xattr(f, "security.kvfs-test") == b"one"
+        assert _xattr(second / "labelled", "security.kvfs-test") == b"one"  # kept on the second mount too
+        os.setxattr(f, "security.kvfs-test", b"two")
+        _soon(lambda: _xattr(second / "labelled", "security.kvfs-test") == b"two", "the second mount to see it")
+        os.removexattr(second / "labelled", "security.kvfs-test")
+        _soon(lambda: _xattr(f, "security.kvfs-test") is None, "the first mount to see the removal")
+        assert (second / "labelled").read_bytes() == b"datamore"
+
+
 def test_a_directory_this_mount_made_answers_absent_names_itself_but_another_clients_names_win(cluster, tmp_path):
     """The mount answers lookups of absent names in a directory it created from its own listing; once another
     client adds a name there, the feed drops that listing, and even a create that overtakes the feed opens (or,
