@@ -1,10 +1,10 @@
 """Kernel caches kept coherent with other clients through meta's change feed (meta/feed.py).
 
-While the mount follows the feed it lets the kernel keep entries and attributes for ``long_timeout`` (a repeated
-stat or path walk then never reaches the daemon) and turns every change another client makes into a kernel
-invalidation. When the feed lapses (no answer within its wait plus ``grace``) or reports a gap, the mount cannot
-know what changed: it invalidates every entry and inode it handed to the kernel and replies with the short
-timeouts until the feed answers again.
+While the mount follows the feed it lets the kernel keep entries, negative entries (absent names) and attributes
+for ``long_timeout`` (a repeated stat, path walk or probe for a missing file then never reaches the daemon) and
+turns every change another client makes into a kernel invalidation. When the feed lapses (no answer within its
+wait plus ``grace``) or reports a gap, the mount cannot know what changed: it invalidates every entry and inode
+it handed to the kernel and replies with the short timeouts until the feed answers again.
 
 For directories whose whole listing it holds (it created them) the mount also answers the lookup of an absent
 name itself (:meth:`Coherence.absent`), so ``open(O_CREAT)`` of a new name costs one meta call, not two. Such a
@@ -73,6 +73,10 @@ class Coherence:
         _remember(self._inodes, ino)
         if parent is not None and name is not None:
             _remember(self._names, (parent, name))
+
+    def handed_absent(self, parent: int, name: bytes) -> None:
+        """The kernel was told ``name`` is not in ``parent``, perhaps for long."""
+        _remember(self._names, (parent, name))
 
     # -------------------------------------------------------------- complete listings --------
     def absent(self, parent: int, name: bytes) -> bool:

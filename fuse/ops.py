@@ -27,6 +27,7 @@ import pyfuse3
 import trio
 
 from kvfs.aio import one_error
+from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
 from meta.types import Attr, Caller, Layout, Opened
 
@@ -39,22 +40,43 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 
 
+#: (parent, name) argument positions of the entries each namespace operation changes.
+_ENTRY_ARGS = {"create": ((0, 1),), "mknod": ((0, 1),), "mkdir": ((0, 1),), "symlink": ((0, 1),),
+               "unlink": ((0, 1),), "rmdir": ((0, 1),), "link": ((1, 2),), "rename": ((0, 1), (2, 3))}
+
+
 def _changes_directories(fn):
     """Marks an operation that may change directories' attributes: directory attributes kept from earlier changes
     of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs. If it fails, its outcome may be
-    unknown (meta unreachable), so complete listings (fuse/coherence.py) are forgotten too."""
+    unknown (meta unreachable), so complete listings (fuse/coherence.py) are forgotten too; when it is unknown, so
+    are the kernel's entries for the names it touched: the feed leaves this mount's own changes out, so nothing else
+    would correct them before the long timeout. (Meta's own refusals, EEXIST and the like, changed nothing.)"""
+    entry_args = _ENTRY_ARGS.get(fn.__name__, ())
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
         self._fresh_dirs.clear()
         try:
             return await fn(self, *args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             if self.coherence is not None:
                 self.coherence.forget_listings()
+                if _outcome_unknown(exc):
+                    for parent, name in entry_args:
+                        pyfuse3.invalidate_entry_async(args[parent], args[name], ignore_enoent=True)
             raise
 
     return wrapper
+
+
+def _outcome_unknown(exc: BaseException) -> bool:
+    """False for a refusal (meta's answer, or the mount's own check); True when the call may have run: lost,
+    timed out, cancelled, or a bug."""
+    if isinstance(exc, pyfuse3.FUSEError):
+        return False
+    if isinstance(exc, (RpcTimeout, ConnectionLost, ServiceUnavailable)) or not isinstance(exc, OSError):
+        return True
+    return exc.errno in (None, errno.EIO)
 
 
 def _fuse_errors(fn):
@@ -246,21 +268,27 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
         if self.coherence is not None and self.coherence.absent(parent_inode, name):
-            return self._negative()
+            return self._negative(parent_inode, name)
         try:
             attr = await self.meta.lookup(self._caller(ctx), parent_inode, name)
         except OSError as e:
             if e.errno == errno.ENOENT:
-                return self._negative()
+                return self._negative(parent_inode, name)
             raise
         return self._entry(attr, parent_inode, name)
 
-    def _negative(self) -> pyfuse3.EntryAttributes:
+    def _negative(self, parent: int, name: bytes) -> pyfuse3.EntryAttributes:
+        """A negative entry: the kernel remembers the name is absent (for long while the feed, which invalidates
+        it when another client makes the name, is followed)."""
         if self.negative_timeout <= 0:
             raise pyfuse3.FUSEError(errno.ENOENT)
         neg = pyfuse3.EntryAttributes()
-        neg.st_ino = 0  # a negative entry: the kernel remembers the name is absent
-        neg.entry_timeout = self.negative_timeout
+        neg.st_ino = 0
+        if self.coherence is None:
+            neg.entry_timeout = self.negative_timeout
+        else:
+            neg.entry_timeout = self.coherence.timeout(self.negative_timeout)
+            self.coherence.handed_absent(parent, name)
         return neg
 
     def _named(self, parent: int, name: bytes, attr: Attr) -> pyfuse3.EntryAttributes:

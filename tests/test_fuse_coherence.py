@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import errno
+
+import pyfuse3
+
 from fuse.coherence import STARTED, UNKNOWN, Coherence
 from meta.types import Change, ChangePage
 
@@ -59,3 +63,14 @@ def test_security_xattr_answers_are_kept_while_live_and_dropped_by_any_change():
     STARTED.set(before_foreign)  # a handler that started before a foreign change was applied
     c.keep_xattr(8, b"security.capability", None, c.xattr_changes)
     assert c.xattr(8, b"security.capability") is UNKNOWN
+
+
+def test_only_failures_that_may_have_run_count_as_unknown_outcomes():
+    from fuse.ops import _outcome_unknown
+    from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
+
+    assert not _outcome_unknown(KvfsError("exists", errno.EEXIST))  # meta refused: nothing changed
+    assert not _outcome_unknown(pyfuse3.FUSEError(errno.EACCES))
+    for lost in (RpcTimeout("slow"), ConnectionLost("gone"), ServiceUnavailable("down"), KvfsError("io"),
+                 KeyboardInterrupt(), RuntimeError("bug")):  # cancellation is a BaseException too
+        assert _outcome_unknown(lost), lost

@@ -344,6 +344,26 @@ def test_a_second_mount_sees_other_clients_changes_at_once_through_the_change_fe
         _soon(lambda: _size(first / "moved") is None, "the first mount to see the unlink")
 
 
+def test_absent_names_are_kept_for_long_and_another_clients_new_names_still_show_at_once(cluster, tmp_path):
+    """While the feed is followed, the kernel keeps negative entries for the long timeout (a probe for a missing
+    file costs no round trip); a name another client then creates, makes by rename or links shows within half
+    a second anyway, well after --negative-timeout would have let the kernel ask again."""
+    with second_mount(cluster, tmp_path / "second", "--negative-timeout", "1") as second:
+        time.sleep(0.5)
+        first = cluster.mount
+        (first / "src").write_bytes(b"abc")
+        for name in ("made-dir", "renamed", "linked"):
+            assert not (second / name).exists()  # now kept as absent
+        time.sleep(1.5)  # past --negative-timeout: only the feed's invalidation can make the names show
+        (first / "made-dir").mkdir()
+        _soon(lambda: (second / "made-dir").is_dir(), "the second mount to see the new directory")
+        os.rename(first / "src", first / "renamed")
+        _soon(lambda: _size(second / "renamed") == 3, "the second mount to see the renamed file")
+        os.link(first / "renamed", first / "linked")
+        _soon(lambda: _size(second / "linked") == 3, "the second mount to see the new link")
+        assert not (second / "src").exists()
+
+
 def _xattr(path, name: str) -> bytes | None:
     try:
         return os.getxattr(path, name)
