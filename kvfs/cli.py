@@ -126,7 +126,8 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
               help="Seconds the kernel may keep a name -> inode lookup without asking meta, while the change "
                    "feed is not followed.")
 @click.option("--negative-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Seconds the kernel may remember that a name does not exist (0: never).")
+              help="Seconds the kernel may remember that a name does not exist, while the change feed is not "
+                   "followed (0: never, feed or not).")
 @click.option("--read-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
               help="MiB of recently read 64 KiB blocks kept for small reads (close-to-open coherent; 0: off).")
 @click.option("--coherent-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
