@@ -6,11 +6,14 @@ turns every change another client makes into a kernel invalidation. When the fee
 wait plus ``grace``) or reports a gap, the mount cannot know what changed: it invalidates every entry and inode
 it handed to the kernel and replies with the short timeouts until the feed answers again.
 
-For directories whose whole listing it holds (it created them) the mount also answers the lookup of an absent
-name itself (:meth:`Coherence.absent`), so ``open(O_CREAT)`` of a new name costs one meta call, not two. Such a
-listing stays complete only while this mount's own changes update it and no other client touches the directory:
-a foreign change of any of its entries, a lapse, or a failed change of our own (its outcome may be unknown)
-drops it. A create that raced another client's create of the same name reaches meta, which decides.
+For directories whose whole listing it holds (it created them, or read them after lookups kept missing there)
+the mount also answers the lookup of an absent name itself (:meth:`Coherence.absent`), so ``open(O_CREAT)`` of
+a new name costs one meta call, not two. Such a listing stays complete only while this mount's own changes
+update it and no other client touches the directory: a foreign change of any of its entries, a lapse, or a
+failed change of our own (its outcome may be unknown) drops it. A create that raced another client's create of
+the same name reaches meta, which decides. A listing read from meta (several pages, each its own snapshot)
+counts only if nothing touched the directory from before its first page until its last: any change the feed
+applies in between, or one of our own, voids it.
 
 The mount also keeps ``security.*`` xattr answers (present or absent) while the feed is live. The kernel asks for
 ``security.capability`` before every write to see whether the write must drop file capabilities, and a meta round
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -41,6 +45,7 @@ STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("kvfs_fuse_started
 KNOWN_NAMES = 1 << 20  # names handed to the kernel that a lapse invalidates; older ones are forgotten
 LISTINGS = 1024  # complete directory listings kept (least recently used go first)
 LISTING_NAMES = 1 << 16  # a directory with more names is not kept
+LISTING_QUIET = 10.0  # seconds without another client's change in a directory before its listing is read
 XATTR_INODES = 1 << 16  # inodes whose security.* xattr answers are kept (least recently used go first)
 #: What :meth:`Coherence.xattr` returns when it holds no answer (None means: known to be absent).
 UNKNOWN = object()
@@ -58,6 +63,8 @@ class Coherence:
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
         self._listings: OrderedDict[int, set[bytes]] = OrderedDict()  # directory -> every name in it
+        self._reading: dict[int, object] = {}  # directory -> token of the listing being read from meta
+        self._foreign: OrderedDict[int, float] = OrderedDict()  # directory -> when another client last changed it
         self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
         self.xattr_changes = 0  # this mount's own xattr changes so far (the feed leaves them out)
 
@@ -90,7 +97,31 @@ class Coherence:
         while len(self._listings) > LISTINGS:
             self._listings.popitem(last=False)
 
+    def begin_listing(self, ino: int) -> object | None:
+        """Start reading ``ino``'s listing from meta; None if it is held or being read already, if the feed is not
+        live, or if another client changed the directory in the last ``LISTING_QUIET`` seconds (a directory
+        several clients fill would have its listing dropped again at once)."""
+        changed = self._foreign.get(ino)
+        if not self.live or ino in self._listings or ino in self._reading or (
+                changed is not None and time.monotonic() - changed < LISTING_QUIET):
+            return None
+        token = self._reading[ino] = object()
+        return token
+
+    def end_listing(self, ino: int, token: object, names: list[bytes] | None) -> bool:
+        """Keep the listing read since :meth:`begin_listing` (None: the read failed) unless something voided it."""
+        if self._reading.get(ino) is not token:
+            return False
+        del self._reading[ino]
+        if names is None or not self.live or len(names) > LISTING_NAMES:
+            return False
+        self._listings[ino] = set(names)
+        while len(self._listings) > LISTINGS:
+            self._listings.popitem(last=False)
+        return True
+
     def named(self, parent: int, name: bytes) -> None:
+        self._reading.pop(parent, None)  # the pages read so far may or may not show it
         names = self._listings.get(parent)
         if names is not None:
             names.add(name)
@@ -99,12 +130,14 @@ class Coherence:
                 del self._listings[parent]
 
     def unnamed(self, parent: int, name: bytes) -> None:
+        self._reading.pop(parent, None)
         names = self._listings.get(parent)
         if names is not None:
             names.discard(name)
 
     def forget_listings(self) -> None:
         self._listings.clear()
+        self._reading.clear()
 
     # -------------------------------------------------------------- security.* xattrs -------
     def xattr(self, ino: int, name: bytes) -> bytes | None | object:
@@ -163,12 +196,17 @@ class Coherence:
                 invalidate_attributes(ino)
             for parent, name in change.entries:
                 self._listings.pop(parent, None)
+                self._reading.pop(parent, None)
+                self._foreign[parent] = time.monotonic()
+                self._foreign.move_to_end(parent)
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        while len(self._foreign) > LISTINGS:
+            self._foreign.popitem(last=False)
 
     def _lapse(self) -> None:
         self.live = False
         self.applied += 1
-        self._listings.clear()
+        self.forget_listings()
         self._xattrs.clear()
         names, self._names = self._names, OrderedDict()
         inodes, self._inodes = self._inodes, OrderedDict()

@@ -33,7 +33,7 @@ from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp
-from .coherence import STARTED, UNKNOWN, Coherence, invalidate_attributes
+from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,8 @@ class KvfsOperations(pyfuse3.Operations):
         self._to_close: list[tuple[int, int, None]] = []  # (ino, session, no exact length) not yet sent
         # directory inode -> (attributes a create of ours just returned, expiry): see getattr
         self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
+        # directory -> [absent names meta reported since its listing was last read, how many make it read again]
+        self._misses: dict[int, list[int]] = {}
         self._closed = trio.Event()
 
     def init(self) -> None:
@@ -269,13 +271,58 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx):
         if self.coherence is not None and self.coherence.absent(parent_inode, name):
             return self._negative(parent_inode, name)
+        caller = self._caller(ctx)
         try:
-            attr = await self.meta.lookup(self._caller(ctx), parent_inode, name)
+            attr = await self.meta.lookup(caller, parent_inode, name)
         except OSError as e:
             if e.errno == errno.ENOENT:
+                self._missed(caller, parent_inode)
                 return self._negative(parent_inode, name)
             raise
         return self._entry(attr, parent_inode, name)
+
+    def _missed(self, caller: Caller, parent: int) -> None:
+        """Meta said a name is absent from ``parent``. After a few such answers (a program making new files
+        there: each create looks its name up first) the mount reads the whole listing, so later absent names
+        are answered without a round trip (fuse/coherence.py)."""
+        if self.coherence is None or self.nursery is None:
+            return
+        counts = self._misses.get(parent)
+        if counts is None:
+            if len(self._misses) >= _MISSES_KEPT:
+                self._misses.clear()
+            counts = self._misses[parent] = [0, _LIST_AFTER_MISSES]
+        counts[0] += 1
+        if counts[0] >= counts[1]:
+            token = self.coherence.begin_listing(parent)
+            if token is not None:
+                counts[0] = 0
+                self.nursery.start_soon(self._read_listing, caller, parent, token, counts)
+
+    async def _read_listing(self, caller: Caller, ino: int, token: object, counts: list[int]) -> None:
+        """Read ``ino``'s listing for :meth:`_missed`. The next read waits for twice as many misses as this one
+        took pages, so a directory whose listing keeps being dropped (or is too large to keep) costs at most
+        half a page per lookup more."""
+        assert self.coherence is not None
+        names: list[bytes] = []
+        pages = 0
+        complete = False
+        cookie = b""
+        try:
+            while len(names) <= LISTING_NAMES:  # a larger listing is not kept
+                page = await self.meta.readdir(caller, ino, cookie, self.readdir_page)
+                pages += 1
+                names.extend(entry.name for entry in page.entries)
+                if page.eof:
+                    complete = True
+                    break
+                cookie = page.cookie
+        except Exception as exc:  # noqa: BLE001 - only an optimisation failed; lookups keep asking meta
+            log.debug("reading the listing of directory %d: %r", ino, exc)
+        finally:  # also when cancelled (unmount): an unfinished read is dropped
+            counts[1] = max(_LIST_AFTER_MISSES, 2 * pages)
+            if self.coherence.end_listing(ino, token, names if complete else None):
+                log.debug("directory %d: %d names listed, absent names are answered here", ino, len(names))
 
     def _negative(self, parent: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A negative entry: the kernel remembers the name is absent (for long while the feed, which invalidates
@@ -870,6 +917,8 @@ class KvfsOperations(pyfuse3.Operations):
 
 
 _CLOSE_BATCH = 256
+_LIST_AFTER_MISSES = 4  # absent names meta reported in a directory before the mount reads its listing
+_MISSES_KEPT = 4096  # directories whose misses are counted (all are forgotten when more come)
 _CACHED_READ = 128 * 1024  # reads up to this size go through the read cache; larger ones stream past it
 _CLOSE_LINGER = 0.02  # seconds
 

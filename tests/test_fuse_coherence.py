@@ -74,3 +74,30 @@ def test_only_failures_that_may_have_run_count_as_unknown_outcomes():
     for lost in (RpcTimeout("slow"), ConnectionLost("gone"), ServiceUnavailable("down"), KvfsError("io"),
                  KeyboardInterrupt(), RuntimeError("bug")):  # cancellation is a BaseException too
         assert _outcome_unknown(lost), lost
+
+
+def test_a_listing_read_from_meta_counts_only_if_nothing_touched_the_directory_meanwhile():
+    c = Coherence(60.0)
+    assert c.begin_listing(3) is None  # not following the feed: absent names would not stay true
+    c.live = True
+    token = c.begin_listing(3)
+    assert token is not None and c.begin_listing(3) is None  # one read at a time
+    assert c.end_listing(3, token, [b"a", b"b"])
+    assert c.absent(3, b"c") and not c.absent(3, b"a")
+    assert c.begin_listing(3) is None  # held already
+
+    def voided(touch) -> bool:
+        token = c.begin_listing(4)
+        touch()
+        return not c.end_listing(4, token, [b"x"]) and not c.absent(4, b"y")
+
+    assert voided(lambda: c.apply(ChangePage(b"c", [Change(b"other", 0, [], [(4, b"z")])], False, False)))
+    assert c.begin_listing(4) is None  # another client just changed it: not read again for LISTING_QUIET
+    c._foreign.clear()
+    assert voided(lambda: c.named(4, b"mine"))  # our own change: the pages may or may not show it
+    assert voided(lambda: c.unnamed(4, b"x"))
+    assert voided(c.forget_listings)
+    assert voided(lambda: None) is False  # untouched: kept
+    c.forget_listings()
+    token = c.begin_listing(5)
+    assert not c.end_listing(5, token, None) and c.begin_listing(5) is not None  # a failed read keeps nothing

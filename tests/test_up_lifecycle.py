@@ -294,11 +294,15 @@ def test_status_reports_every_process_down_when_mgmtd_is_down():
 
 
 @contextlib.contextmanager
-def second_mount(cluster, path, *options: str):
-    """Another client: ``kvfs mount`` of the same cluster at ``path`` with ``options``, removed afterwards."""
+def second_mount(cluster, path, *options: str, log=None):
+    """Another client: ``kvfs mount`` of the same cluster at ``path`` with ``options``, removed afterwards; its
+    log goes to the file ``log`` if given."""
     path.mkdir()
+    err = open(log, "w") if log is not None else subprocess.PIPE
     daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), *options, str(path)], cwd=REPO,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    if log is not None:
+        err.close()  # the daemon holds its own copy
     try:
         wait_until(lambda: is_mounted(path), 30, "the second mount")
         yield path
@@ -362,6 +366,30 @@ def test_absent_names_are_kept_for_long_and_another_clients_new_names_still_show
         os.link(first / "renamed", first / "linked")
         _soon(lambda: _size(second / "linked") == 3, "the second mount to see the new link")
         assert not (second / "src").exists()
+
+
+def test_a_directory_made_elsewhere_is_listed_after_lookups_miss_and_another_clients_names_still_show(
+        cluster, tmp_path):
+    """A program making new files in a directory this mount did not create has each name looked up first; after a
+    few misses the mount reads the directory's listing and answers absent names itself. Names that were there
+    stay visible, and a name another client adds later shows within half a second (the feed drops the listing)."""
+    log = tmp_path / "second.log"
+    shared = cluster.mount / "made-by-the-first"
+    shared.mkdir()
+    for i in range(3):
+        (shared / f"pre{i}").write_bytes(b"pre")
+    with second_mount(cluster, tmp_path / "second", "--log-level", "DEBUG", log=log) as second:
+        time.sleep(0.5)
+        there = second / "made-by-the-first"
+        for i in range(6):
+            (there / f"new{i}").write_bytes(b"new")
+        _soon(lambda: "names listed, absent names are answered here" in log.read_text(), "the listing", 5)
+        assert not (there / "absent").exists()
+        assert all((there / f"pre{i}").read_bytes() == b"pre" for i in range(3))
+        (shared / "theirs").write_bytes(b"theirs")
+        _soon(lambda: (there / "theirs").exists(), "the second mount to see the other client's new name")
+        assert sorted(os.listdir(there)) == sorted([f"pre{i}" for i in range(3)] + [f"new{i}" for i in range(6)]
+                                                   + ["theirs"])
 
 
 def _xattr(path, name: str) -> bytes | None:
