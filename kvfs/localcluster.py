@@ -238,17 +238,19 @@ class LocalCluster:
     # ------------------------------------------------------------------------------------- down
 
     def down(self, echo: Any = print) -> None:
-        """Unmount first (so no writer is cut off mid-flush), then stop every service at once."""
+        """Unmount first (so no writer is cut off mid-flush), then stop meta (its garbage collection calls the
+        chunk servers, and would log a failed round if they went first), then the chunk servers and mgmtd."""
         config, layout = self._load()
         from fuse.mount import force_unmount, is_mounted
 
-        mount, *services = reversed(self.processes(layout))
+        procs = self.processes(layout)
         if is_mounted(layout.mount):
             subprocess.run(["fusermount3", "-u", layout.mount], capture_output=True)
-        self._stop([mount], echo)
+        self._stop([p for p in procs if p.role == "mount"], echo)
         if is_mounted(layout.mount):
             force_unmount(layout.mount)
-        self._stop(services, echo)
+        self._stop([p for p in procs if p.role == "meta"], echo)
+        self._stop([p for p in procs if p.role not in ("mount", "meta")], echo)
 
     def _stop(self, procs: list[Process], echo: Any, grace: float = 10.0) -> None:
         """SIGTERM each process group, wait up to ``grace`` seconds for all, then SIGKILL the rest."""
