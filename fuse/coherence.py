@@ -93,7 +93,10 @@ class Coherence:
 
     def listing_made(self, ino: int) -> None:
         """This mount created directory ``ino``: its (empty) listing is complete."""
-        self._listings[ino] = set()
+        self._keep_listing(ino, set())
+
+    def _keep_listing(self, ino: int, names: set[bytes]) -> None:
+        self._listings[ino] = names
         while len(self._listings) > LISTINGS:
             self._listings.popitem(last=False)
 
@@ -115,9 +118,7 @@ class Coherence:
         del self._reading[ino]
         if names is None or not self.live or len(names) > LISTING_NAMES:
             return False
-        self._listings[ino] = set(names)
-        while len(self._listings) > LISTINGS:
-            self._listings.popitem(last=False)
+        self._keep_listing(ino, set(names))
         return True
 
     def named(self, parent: int, name: bytes) -> None:
@@ -189,6 +190,7 @@ class Coherence:
             self.live = not page.more
 
     def apply(self, page: ChangePage) -> None:
+        now = time.monotonic()
         for change in page.changes:
             self.applied += 1
             for ino in change.inodes:
@@ -197,7 +199,7 @@ class Coherence:
             for parent, name in change.entries:
                 self._listings.pop(parent, None)
                 self._reading.pop(parent, None)
-                self._foreign[parent] = time.monotonic()
+                self._foreign[parent] = now
                 self._foreign.move_to_end(parent)
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
         while len(self._foreign) > LISTINGS:
