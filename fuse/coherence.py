@@ -12,8 +12,8 @@ a new name costs one meta call, not two. Such a listing stays complete only whil
 update it and no other client touches the directory: a foreign change of any of its entries, a lapse, or a
 failed change of our own (its outcome may be unknown) drops it. A create that raced another client's create of
 the same name reaches meta, which decides. A listing read from meta (several pages, each its own snapshot)
-counts only if nothing touched the directory from before its first page until its last: any change the feed
-applies in between, or one of our own, voids it.
+counts only if no other client touched the directory from before its first page until its last (any change the
+feed applies in between voids it); this mount's own changes meanwhile are replayed on top of it.
 
 The mount also keeps ``security.*`` xattr answers (present or absent) while the feed is live. The kernel asks for
 ``security.capability`` before every write to see whether the write must drop file capabilities, and a meta round
@@ -63,7 +63,9 @@ class Coherence:
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
         self._listings: OrderedDict[int, set[bytes]] = OrderedDict()  # directory -> every name in it
-        self._reading: dict[int, object] = {}  # directory -> token of the listing being read from meta
+        # directory -> the listing being read from meta: the read's token, and this mount's changes of the
+        # directory since it began, in order ((True, name): made, (False, name): removed)
+        self._reading: dict[int, tuple[object, list[tuple[bool, bytes]]]] = {}
         self._foreign: OrderedDict[int, float] = OrderedDict()  # directory -> when another client last changed it
         self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
         self.xattr_changes = 0  # this mount's own xattr changes so far (the feed leaves them out)
@@ -108,21 +110,28 @@ class Coherence:
         if not self.live or ino in self._listings or ino in self._reading or (
                 changed is not None and time.monotonic() - changed < LISTING_QUIET):
             return None
-        token = self._reading[ino] = object()
+        token = object()
+        self._reading[ino] = (token, [])
         return token
 
     def end_listing(self, ino: int, token: object, names: list[bytes] | None) -> bool:
-        """Keep the listing read since :meth:`begin_listing` (None: the read failed) unless something voided it."""
-        if self._reading.get(ino) is not token:
+        """Keep the listing read since :meth:`begin_listing` (None: the read failed) unless something voided it.
+        The pages may or may not show this mount's own changes made meanwhile, so those are replayed on top: for
+        a name only we touched, our last change decides."""
+        reading = self._reading.get(ino)
+        if reading is None or reading[0] is not token:
             return False
         del self._reading[ino]
         if names is None or not self.live or len(names) > LISTING_NAMES:
             return False
-        self._keep_listing(ino, set(names))
+        listing = set(names)
+        for made, name in reading[1]:
+            (listing.add if made else listing.discard)(name)
+        self._keep_listing(ino, listing)
         return True
 
     def named(self, parent: int, name: bytes) -> None:
-        self._reading.pop(parent, None)  # the pages read so far may or may not show it
+        self._note_own(parent, True, name)
         names = self._listings.get(parent)
         if names is not None:
             names.add(name)
@@ -131,10 +140,15 @@ class Coherence:
                 del self._listings[parent]
 
     def unnamed(self, parent: int, name: bytes) -> None:
-        self._reading.pop(parent, None)
+        self._note_own(parent, False, name)
         names = self._listings.get(parent)
         if names is not None:
             names.discard(name)
+
+    def _note_own(self, parent: int, made: bool, name: bytes) -> None:
+        reading = self._reading.get(parent)
+        if reading is not None:
+            reading[1].append((made, name))
 
     def forget_listings(self) -> None:
         self._listings.clear()

@@ -76,7 +76,7 @@ def test_only_failures_that_may_have_run_count_as_unknown_outcomes():
         assert _outcome_unknown(lost), lost
 
 
-def test_a_listing_read_from_meta_counts_only_if_nothing_touched_the_directory_meanwhile():
+def test_a_listing_read_from_meta_counts_only_if_no_other_client_touched_the_directory_meanwhile():
     c = Coherence(60.0)
     assert c.begin_listing(3) is None  # not following the feed: absent names would not stay true
     c.live = True
@@ -94,8 +94,14 @@ def test_a_listing_read_from_meta_counts_only_if_nothing_touched_the_directory_m
     assert voided(lambda: c.apply(ChangePage(b"c", [Change(b"other", 0, [], [(4, b"z")])], False, False)))
     assert c.begin_listing(4) is None  # another client just changed it: not read again for LISTING_QUIET
     c._foreign.clear()
-    assert voided(lambda: c.named(4, b"mine"))  # our own change: the pages may or may not show it
-    assert voided(lambda: c.unnamed(4, b"x"))
+    token = c.begin_listing(4)
+    c.named(4, b"mine")  # our own changes while the pages are read, which may or may not show them
+    c.unnamed(4, b"x")
+    c.named(4, b"again")
+    c.unnamed(4, b"again")
+    assert c.end_listing(4, token, [b"x", b"y", b"again"])  # replayed on top: our last change of a name decides
+    assert c.absent(4, b"x") and c.absent(4, b"again") and not c.absent(4, b"mine") and not c.absent(4, b"y")
+    c.forget_listings()
     assert voided(c.forget_listings)
     assert voided(lambda: None) is False  # untouched: kept
     c.forget_listings()
