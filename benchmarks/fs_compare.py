@@ -35,6 +35,13 @@ The metadata loop (``--files`` N, a child Python process with os calls, so a hun
 script): create (open O_CREAT|O_EXCL + close), stat, unlink, each phase timed on its own, in a fresh dir;
 ``--meta-rounds`` times (3), and the table shows each phase's median round.
 
+A second table gives the machine's busy CPU (``/proc/stat``: user, nice, system, irq, softirq) per GiB, per
+random read or per metadata operation: every process and kernel thread of the target (its daemons, the
+mount, fio, page-cache writeback) while the job ran. It tells a system that is CPU-bound apart from one that
+waits (on the disk, or on wake-ups between processes), and how much CPU the other one needs for the same work.
+``/proc/stat`` counts in clock ticks (10 ms): a phase that ends within a few tenths of a second (kvfs's stat
+loop) gets a coarse figure.
+
 Every subprocess has a timeout; mounts are checked (mountinfo type and source, and a statfs that answers)
 before they are used; everything started is torn down in a ``finally`` - unmount, stop daemons, delete the
 namespace and veth pair - also on Ctrl-C, SIGTERM and SIGHUP (further signals during tear-down are
@@ -82,6 +89,10 @@ METRICS = [
     ("unlink", "unlink", "ops/s"),
 ]
 
+# machine CPU per unit of work, stored as figures[key + "_cpu"]: per GiB moved, per random read, per operation
+CPU_UNITS = {"MB/s": "CPU-s/GiB", "IOPS": "CPU-us/read", "ops/s": "CPU-us/op"}
+CPU_METRICS = [(key, label, CPU_UNITS[unit]) for key, label, unit in METRICS]
+
 
 class BenchError(Exception):
     pass
@@ -90,6 +101,15 @@ class BenchError(Exception):
 def log(msg: str) -> None:
     with contextlib.suppress(OSError):  # a closed stdout (| head) must not stop a tear-down half-way
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def busy_cpu_seconds() -> float:
+    """CPU time the whole machine spent busy so far (user, nice, system, irq, softirq; not idle, iowait or steal).
+    Read around each job, it counts every process the job involves (mount, servers, fio, kernel threads):
+    targets run one at a time, so the delta is that target's cost."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------------------- processes
@@ -282,7 +302,9 @@ def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, f
         timeout = 3 * runtime + 120 + size / 5e6
         log(f"  fio {key} ...")
         try:
+            cpu0 = busy_cpu_seconds()
             r = run(cmd, timeout=timeout, check=False)
+            cpu = busy_cpu_seconds() - cpu0
             text = out.read_text(errors="replace") if out.exists() else ""
             try:  # fio may put notes before the JSON document
                 job = json.loads(text[text.find("{"):])["jobs"][0]
@@ -294,7 +316,10 @@ def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, f
             side = job["write"] if key.startswith("seqwrite") else job["read"]
             value = side["iops"] if key == "randread" else side["bw_bytes"] / 1e6
             figures[key] = value
-            details[key] = {
+            if side["io_bytes"]:
+                figures[key + "_cpu"] = (cpu / (side["io_bytes"] / 4096) * 1e6 if key == "randread"
+                                         else cpu / (side["io_bytes"] / 2**30))
+            details[key] = {"busy_cpu_s": cpu, 
                 "io_bytes": side["io_bytes"], "runtime_ms": side["runtime"], "bw_bytes": side["bw_bytes"],
                 "iops": side["iops"], "clat_mean_us": side.get("clat_ns", {}).get("mean", 0) / 1e3,
                 "clat_p99_us": side.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3,
@@ -332,10 +357,11 @@ def meta_worker(directory: str, files: int) -> None:
         ("unlink", os.unlink),
     ]
     for phase, op in phases:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), busy_cpu_seconds()
         for p in names:
             op(p)
         out[phase] = files / (time.perf_counter() - start)
+        out[phase + "_cpu"] = (busy_cpu_seconds() - cpu) / files * 1e6
     os.rmdir(d)
     print(json.dumps(out))
 
@@ -353,7 +379,8 @@ def run_meta(directory: Path, files: int, rounds: int, figures: dict[str, float]
         except (BenchError, ValueError, IndexError) as e:
             log(f"    FAILED: {e}")
             return
-        log("    " + ", ".join(f"{k} {v:,.0f}/s" for k, v in found[-1].items()))
+        log("    " + ", ".join(f"{k} {v:,.0f}/s ({found[-1][k + '_cpu']:,.0f} CPU-us/op)"
+                              for k, v in found[-1].items() if not k.endswith("_cpu")))
     figures.update({k: statistics.median(f[k] for f in found) for k in found[0]})
 
 
@@ -719,12 +746,14 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a is not None and b else "-"
 
 
-def table(results: dict[str, dict[str, float]]) -> str:
+def table(results: dict[str, dict[str, float]], metrics: list[tuple[str, str, str]] = METRICS,
+          suffix: str = "") -> str:
+    """Markdown table of ``metrics``; each figure is ``results[target][key + suffix]``."""
     cols = ["kvfs", "moosefs", "local"]
     head = ["metric", "unit", "kvfs", "MooseFS", "local", "kvfs/MooseFS", "kvfs/local"]
     rows = []
-    for key, label, unit in METRICS:
-        vals = [results.get(c, {}).get(key) for c in cols]
+    for key, label, unit in metrics:
+        vals = [results.get(c, {}).get(key + suffix) for c in cols]
         rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2])])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
@@ -858,6 +887,10 @@ def main() -> int:
           f"MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
           f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
     print(table(results))
+    print()
+    print("Machine CPU per unit of work (all processes and kernel threads, busy time from /proc/stat); "
+          "here ratios > 1 mean kvfs spends more CPU:")
+    print(table(results, CPU_METRICS, "_cpu"))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     for n in notes:
