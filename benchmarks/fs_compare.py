@@ -317,10 +317,10 @@ def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, f
             value = side["iops"] if key == "randread" else side["bw_bytes"] / 1e6
             figures[key] = value
             if side["io_bytes"]:
-                figures[key + "_cpu"] = (cpu / (side["io_bytes"] / 4096) * 1e6 if key == "randread"
+                figures[key + "_cpu"] = (cpu / side["total_ios"] * 1e6 if key == "randread"
                                          else cpu / (side["io_bytes"] / 2**30))
-            details[key] = {"busy_cpu_s": cpu, 
-                "io_bytes": side["io_bytes"], "runtime_ms": side["runtime"], "bw_bytes": side["bw_bytes"],
+            details[key] = {
+                "busy_cpu_s": cpu, "io_bytes": side["io_bytes"], "runtime_ms": side["runtime"], "bw_bytes": side["bw_bytes"],
                 "iops": side["iops"], "clat_mean_us": side.get("clat_ns", {}).get("mean", 0) / 1e3,
                 "clat_p99_us": side.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3,
             }
