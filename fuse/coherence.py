@@ -31,7 +31,7 @@ import contextvars
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import pyfuse3
 import trio
@@ -69,6 +69,10 @@ class Coherence:
         self._foreign: OrderedDict[int, float] = OrderedDict()  # directory -> when another client last changed it
         self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
         self.xattr_changes = 0  # this mount's own xattr changes so far (the feed leaves them out)
+        # what else follows the feed (fuse/dirops.py): a recalled directory, a lapse, another client's entry change
+        self.on_recall: Callable[[int], None] = _ignore
+        self.on_lapse: Callable[[], None] = _nothing
+        self.on_foreign: Callable[[int], None] = _ignore
 
     def timeout(self, short: float) -> float:
         """The timeout for a reply made now by the current handler."""
@@ -215,12 +219,16 @@ class Coherence:
                 self._reading.pop(parent, None)
                 self._foreign[parent] = now
                 self._foreign.move_to_end(parent)
+                self.on_foreign(parent)
                 pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+            for directory in change.recalls:
+                self.on_recall(directory)
         while len(self._foreign) > LISTINGS:
             self._foreign.popitem(last=False)
 
     def _lapse(self) -> None:
         self.live = False
+        self.on_lapse()
         self.applied += 1
         self.forget_listings()
         self._xattrs.clear()
@@ -230,6 +238,14 @@ class Coherence:
             invalidate_attributes(ino)
         for parent, name in names:
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+
+def _ignore(_: int) -> None:
+    pass
+
+
+def _nothing() -> None:
+    pass
 
 
 def _remember(cache: OrderedDict, key: Any) -> None:

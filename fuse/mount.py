@@ -127,6 +127,9 @@ async def run_mount(
                 if ops.coherence is not None:
                     follower = Caller(os.getuid(), os.getgid(), client=ops.client_id)
                     nursery.start_soon(ops.coherence.follow, meta, follower)
+                if ops.dirops is not None:
+                    ops.dirops.nursery = nursery
+                    nursery.start_soon(ops.dirops.run)
                 task_status.started(ops)
                 await pyfuse3.main()
                 with trio.move_on_after(10):

@@ -29,11 +29,13 @@ import trio
 from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
+from meta.store import LAYOUT_XATTR
 from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp
 from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes
+from .dirops import DirOps, Ordered
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ def _changes_directories(fn):
                 if _outcome_unknown(exc):
                     for parent, name in entry_args:
                         pyfuse3.invalidate_entry_async(args[parent], args[name], ignore_enoent=True)
+                        if self.dirops is not None:
+                            self.dirops.unsure(args[parent])
             raise
 
     return wrapper
@@ -166,9 +170,12 @@ class KvfsOperations(pyfuse3.Operations):
         groups_ttl: float = 1.0,
         read_cache: int = 256 * MIB,
         coherent_timeout: float = 60.0,
+        delegations: bool = True,
     ) -> None:
         """``entry_timeout``/``attr_timeout`` are what the kernel gets while the change feed is not followed;
-        while it is, ``coherent_timeout`` (0: never follow it). See fuse/coherence.py."""
+        while it is, ``coherent_timeout`` (0: never follow it). See fuse/coherence.py. ``delegations``: answer
+        creates and removals in directories meta delegates to this mount itself (fuse/dirops.py; needs the
+        feed and a client id)."""
         super().__init__()
         self.meta = meta
         self.storage = storage
@@ -184,6 +191,13 @@ class KvfsOperations(pyfuse3.Operations):
         self.cache = BlockCache(read_cache) if read_cache else None
         self.coherence = Coherence(coherent_timeout) if coherent_timeout > 0 and hasattr(meta, "watch") else None
         self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's write sessions
+        self.dirops: DirOps | None = None
+        if delegations and self.coherence is not None and self.client_id:
+            self.dirops = DirOps(meta, self.coherence, self.client_id)
+            self.meta = Ordered(meta, self.dirops)
+            self.coherence.on_recall = self.dirops.recall
+            self.coherence.on_lapse = self.dirops.lapse
+            self.coherence.on_foreign = self.dirops.unsure
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
         self._inodes: dict[int, _InodeState] = {}
@@ -269,7 +283,8 @@ class KvfsOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ namespace ---------
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
-        if self.coherence is not None and self.coherence.absent(parent_inode, name):
+        if self.coherence is not None and (self.coherence.absent(parent_inode, name) or (
+                self.dirops is not None and self.dirops.absent(parent_inode, name))):
             return self._negative(parent_inode, name)
         caller = self._caller(ctx)
         try:
@@ -342,14 +357,26 @@ class KvfsOperations(pyfuse3.Operations):
         """The reply to a change of ours that gave ``name`` in ``parent`` to ``attr``'s inode."""
         if self.coherence is not None:
             self.coherence.named(parent, name)
+        if self.dirops is not None:
+            self.dirops.named(parent, name)
         return self._entry(attr, parent, name)
+
+    def _unnamed(self, parent: int, name: bytes) -> None:
+        """A change of ours removed ``name`` from ``parent``."""
+        if self.coherence is not None:
+            self.coherence.unnamed(parent, name)
+        if self.dirops is not None:
+            self.dirops.unnamed(parent, name)
 
     @_fuse_errors
     async def getattr(self, inode, ctx):
         fresh = self._fresh_dirs.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self._entry(fresh[0])
-        return self._entry(await self.meta.getattr(self._caller(ctx), inode))
+        attr = await self.meta.getattr(self._caller(ctx), inode)
+        if self.dirops is not None and stat.S_ISDIR(attr.mode):
+            self.dirops.dir_attr(inode, attr)
+        return self._entry(attr)
 
     @_fuse_errors
     @_changes_directories
@@ -388,6 +415,11 @@ class KvfsOperations(pyfuse3.Operations):
             if old is not None and new_size < old:
                 layout = st.layout if st is not None else await self._layout(caller, inode)
                 await self.storage.truncate(inode, layout, old, new_size)
+        if self.dirops is not None:
+            if stat.S_ISDIR(result.mode):
+                self.dirops.dir_attr(inode, result)
+            elif "uid" in kw:
+                self.dirops.forget_inode(inode)  # sticky-bit checks here knew its old owner
         return self._entry(result)
 
     async def _times(self, caller: Caller, inode: int, attr: Any, fields: Any) -> dict[str, Any]:
@@ -421,16 +453,25 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def unlink(self, parent_inode, name, ctx):
-        self._fresh_dir(parent_inode, await self.meta.unlink(self._caller(ctx), parent_inode, name))
-        if self.coherence is not None:
-            self.coherence.unnamed(parent_inode, name)
+        caller = self._caller(ctx)
+        held = self.dirops.removable(parent_inode, name, caller) if self.dirops is not None else None
+        if held is not None:  # a file this mount made in a directory it holds: answered here (fuse/dirops.py)
+            self._fresh_dir(parent_inode, self.dirops.unlink(held, caller, name))
+            if self.coherence is not None:
+                self.coherence.unnamed(parent_inode, name)
+            return
+        parent = await self.meta.unlink(caller, parent_inode, name)
+        self._unnamed(parent_inode, name)
+        self._fresh_dir(parent_inode, parent)
+        if self.dirops is not None:
+            self.dirops.want(parent_inode, caller)
 
     @_fuse_errors
     @_changes_directories
     async def rmdir(self, parent_inode, name, ctx):
-        self._fresh_dir(parent_inode, await self.meta.rmdir(self._caller(ctx), parent_inode, name))
-        if self.coherence is not None:
-            self.coherence.unnamed(parent_inode, name)
+        parent = await self.meta.rmdir(self._caller(ctx), parent_inode, name)
+        self._unnamed(parent_inode, name)
+        self._fresh_dir(parent_inode, parent)
 
     @_fuse_errors
     @_changes_directories
@@ -444,22 +485,33 @@ class KvfsOperations(pyfuse3.Operations):
     @_fuse_errors
     @_changes_directories
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._named(new_parent_inode, new_name,
-                           await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name))
+        attr = await self.meta.link(self._caller(ctx), inode, new_parent_inode, new_name)
+        if self.dirops is not None:
+            self.dirops.forget_inode(inode)  # reachable elsewhere now: its removals go to meta
+        return self._named(new_parent_inode, new_name, attr)
 
     @_fuse_errors
     @_changes_directories
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         # pyfuse3.RENAME_NOREPLACE/EXCHANGE are Linux's values, which meta uses too
         await self.meta.rename(self._caller(ctx), parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        if self.coherence is not None and not flags & pyfuse3.RENAME_EXCHANGE:  # an exchange keeps both names
-            self.coherence.unnamed(parent_inode_old, name_old)
+        if flags & pyfuse3.RENAME_EXCHANGE:  # both names stay, for other inodes
+            if self.dirops is not None:
+                self.dirops.named(parent_inode_old, name_old)
+                self.dirops.named(parent_inode_new, name_new)
+            return
+        self._unnamed(parent_inode_old, name_old)
+        if self.coherence is not None:
             self.coherence.named(parent_inode_new, name_new)
+        if self.dirops is not None:
+            self.dirops.named(parent_inode_new, name_new)
 
     async def forget(self, inode_list):
         for ino, _ in inode_list:
             if ino not in self._inodes:
                 self._layouts.pop(ino, None)
+            if self.dirops is not None:
+                self.dirops.forgotten(ino)
 
     @_fuse_errors
     async def access(self, inode, mode, ctx):
@@ -494,6 +546,8 @@ class KvfsOperations(pyfuse3.Operations):
             await self.meta.setxattr(self._caller(ctx), inode, name, value)
         finally:
             self._xattrs_changed_here(inode)
+            if name == LAYOUT_XATTR and self.dirops is not None:
+                self.dirops.unsure(inode)  # what its new files get changed (or may have)
 
     @_fuse_errors
     async def getxattr(self, inode, name, ctx):
@@ -575,7 +629,8 @@ class KvfsOperations(pyfuse3.Operations):
 
     @_fuse_errors
     async def fsyncdir(self, fh, datasync):
-        pass  # every namespace change is one committed meta transaction already
+        if self.dirops is not None:  # changes answered here are durable once applied
+            await self.dirops.settled()
 
     # ------------------------------------------------------------------ files -------------
     def _new_fh(self) -> int:
@@ -631,6 +686,16 @@ class KvfsOperations(pyfuse3.Operations):
     @_changes_directories
     async def create(self, parent_inode, name, mode, flags, ctx):
         caller = self._caller(ctx)
+        held = self.dirops.creatable(parent_inode, name, caller) if self.dirops is not None else None
+        if held is not None:  # a free name in a directory this mount holds: answered here (fuse/dirops.py)
+            opened = self.dirops.create(held, caller, name, mode, flags)
+            self._fresh_dir(parent_inode, opened.parent)
+            fi = await self._attach(caller, opened, flags)
+            if self.coherence is not None:
+                self.coherence.named(parent_inode, name)
+            return fi, self._entry(opened.attr, parent_inode, name)
+        if self.dirops is not None:
+            self.dirops.want(parent_inode, caller)
         try:
             opened = await self.meta.create(caller, parent_inode, name, mode, flags)
         except OSError as e:
@@ -643,16 +708,19 @@ class KvfsOperations(pyfuse3.Operations):
             fi = await self.open(attr.ino, flags & ~os.O_CREAT, ctx)
             STARTED.set(started)  # open() noted its own start: this reply's is earlier
             return fi, self._named(parent_inode, name, attr)
+        fi = await self._attach(caller, opened, flags)
+        entry = self._named(parent_inode, name, opened.attr)
         if opened.parent is not None:
             self._fresh_dir(parent_inode, opened.parent)
-        fi = await self._attach(caller, opened, flags)
-        return fi, self._named(parent_inode, name, opened.attr)
+        return fi, entry
 
     def _fresh_dir(self, ino: int, attr: Attr) -> None:
         """Keep a directory's attributes that meta returned from our own change of it. The kernel drops its cached
         copy after a create or unlink and, checking permissions itself, asks for it before the next lookup in the
         directory: this answers that getattr without a round trip (once, within the attribute timeout)."""
         self._fresh_dirs[ino] = (attr, trio.current_time() + self.attr_timeout)
+        if self.dirops is not None:
+            self.dirops.dir_attr(ino, attr)
 
     def _handle(self, fh: int) -> _Handle:
         h = self._handles.get(fh)
@@ -846,6 +914,8 @@ class KvfsOperations(pyfuse3.Operations):
         st = h.state
         await self._flush_inode(st)
         self._raise_error(h)
+        if self.dirops is not None:  # the file's create, if answered here, is durable once applied
+            await self.dirops.settled()
         if h.session is not None:
             await self.meta.set_length(h.caller, st.ino, h.session, st.size)
             self._attributes_changed_here(st.ino)
@@ -914,6 +984,8 @@ class KvfsOperations(pyfuse3.Operations):
                 log.exception("flushing inode %d before unmount", st.ino)
         while self._closing:
             await self._closed.wait()
+        if self.dirops is not None:
+            await self.dirops.close()
 
 
 _CLOSE_BATCH = 256

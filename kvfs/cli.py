@@ -133,8 +133,13 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
 @click.option("--coherent-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds the kernel may keep entries and attributes while the mount follows meta's change "
                    "feed (0: do not follow it; the timeouts above then always apply).")
+@click.option("--delegations/--no-delegations", default=True, show_default=True,
+              help="Answer creates and removals in directories meta delegates to this mount without waiting for "
+                   "meta (sent in batches within milliseconds; needs the change feed). --no-delegations: every "
+                   "namespace change waits for meta.")
 def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, attr_timeout: float,
-              entry_timeout: float, negative_timeout: float, read_cache_mb: int, coherent_timeout: float) -> None:
+              entry_timeout: float, negative_timeout: float, read_cache_mb: int, coherent_timeout: float,
+              delegations: bool) -> None:
     """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
 
     The mount follows meta's change feed: other clients' changes reach the kernel's caches within
@@ -146,7 +151,7 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
     _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
                                       attr_timeout=attr_timeout, entry_timeout=entry_timeout,
                                       negative_timeout=negative_timeout, read_cache=read_cache_mb << 20,
-                                      coherent_timeout=coherent_timeout))
+                                      coherent_timeout=coherent_timeout, delegations=delegations))
 
 
 @main.command("up")

@@ -20,6 +20,7 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
+from meta.delegation import DelegationHeld, retry_while_recalled
 from meta.feed import ORIGIN, long_poll
 from meta.rpc import OPS, WATCH, WatchRequest
 from meta.store import MetaStore
@@ -51,7 +52,7 @@ class RemoteMeta:
         async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
             op_id = b"" if op.method.idempotent else next(self._op_ids)
             request = op.request(caller, args, kwargs, op_id)
-            return (await self._call(op.method, request)).value
+            return (await retry_while_recalled(functools.partial(self._call, op.method, request))).value
 
         call.__name__ = name
         return call
@@ -119,12 +120,18 @@ class LocalMeta:
             raise AttributeError(name)
         fn = getattr(self.store, name)
 
-        async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
+        async def once(caller: Caller, *args: Any, **kwargs: Any) -> Any:
             token = ORIGIN.set(caller.client)  # the worker thread runs in a copy of this context
             try:
                 return await trio.to_thread.run_sync(functools.partial(fn, caller, *args, **kwargs))
+            except DelegationHeld as held:  # as the service does: ask the holder to give it back, then retry
+                await trio.to_thread.run_sync(self.store.recall, held.directory)
+                raise
             finally:
                 ORIGIN.reset(token)
+
+        async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
+            return await retry_while_recalled(functools.partial(once, caller, *args, **kwargs))
 
         call.__name__ = name
         return call

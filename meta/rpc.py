@@ -53,6 +53,9 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("access", True),
     ("close_sessions", True),
     ("renew_client", True),
+    ("delegate", False),
+    ("undelegate", True),
+    ("apply_delegated", False),
 )
 METHOD_BASE = 100
 

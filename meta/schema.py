@@ -16,6 +16,7 @@ key                            value
 ("meta", "o", client, ino, s)  b"": the client owns write session s of ino (ended with it when the lease lapses)
 ("meta", "f") + stamp          Change (msgpack): one committed transaction's changed inodes and entries (the feed)
 ("meta", "F")                  stamp of the newest trimmed feed record: a reader behind it has missed changes
+("meta", "L", dir)             Delegation (msgpack): the client that may change the directory's entries unasked
 =============================  ==========================================================
 """
 
@@ -92,3 +93,10 @@ def answer(minute: int, op_id: bytes) -> bytes:
 def answers_before(minute: int) -> tuple[bytes, bytes]:
     """Every recorded answer from before ``minute``."""
     return pack(NS, "r"), pack(NS, "r", minute)
+
+
+def delegation(directory: int) -> bytes:
+    return pack(NS, "L", directory)
+
+
+DELEGATION_RANGE = prefix_range(NS, "L")

@@ -24,6 +24,7 @@ import trio
 
 from kvfs import wire
 from kvfs.rpc import CallContext, RpcServer
+from meta.delegation import DelegationHeld
 from meta.feed import ORIGIN, long_poll
 from meta.rpc import MAX_WATCH_WAIT, OPS, WATCH, Operation, WatchRequest, WatchResponse
 from meta.store import FEED_SECONDS, MetaStore
@@ -42,6 +43,7 @@ class MetaService:
         self.gc_interval = gc_interval
         self.feed_poll = feed_poll
         self._watchers = _Watchers()
+        self._recalled: dict[int, float] = {}  # directory -> when this instance last published its recall
         for op in OPS.values():
             server.register(op.method, functools.partial(self._handle, op), inline=store.db.inline)
         server.register(WATCH, self._watch)
@@ -59,11 +61,29 @@ class MetaService:
                 value = call()  # a thread round trip costs more than a local transaction
             else:
                 value = await trio.to_thread.run_sync(call)
+        except DelegationHeld as held:  # the caller retries (EAGAIN) once the holder has given the directory back
+            await self._recall(held.directory)
+            raise
         finally:
             ORIGIN.reset(token)
             if self.store.db.appended != appended:
                 self._watchers.changed(by=request.caller.client)
         return op.method.response(value)
+
+    async def _recall(self, directory: int) -> None:
+        """Publish a recall of ``directory`` unless one went out in the last ``RECALL_REPEAT`` seconds (callers
+        retry every few milliseconds; a holder that missed the first record, its feed lapsing, gets another)."""
+        now = trio.current_time()
+        if now - self._recalled.get(directory, -RECALL_REPEAT) < RECALL_REPEAT:
+            return
+        self._recalled[directory] = now
+        if len(self._recalled) > 4096:
+            self._recalled = {d: t for d, t in self._recalled.items() if now - t < RECALL_REPEAT}
+        call = functools.partial(self.store.recall, directory)
+        if self.store.db.inline:
+            call()
+        else:
+            await trio.to_thread.run_sync(call)
 
     async def _watch(self, request: WatchRequest, data: memoryview | None, ctx: CallContext) -> WatchResponse:
         """Answer with the first page that holds another client's change (or a gap), or an empty one at the
@@ -154,4 +174,5 @@ class _Watchers:
 GC_BATCH = 64
 EXPIRE_BATCH = 256
 TRIM_BATCH = 4096  # change-feed records dropped per transaction  # sessions of lapsed clients ended per transaction
-GC_DUTY = 0.25  # at most this share of the time goes to collecting while a backlog lasts
+GC_DUTY = 0.25
+RECALL_REPEAT = 0.5  # seconds between recalls of one directory that this instance publishes  # at most this share of the time goes to collecting while a backlog lasts

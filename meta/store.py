@@ -31,11 +31,13 @@ from kvfs.errors import KvfsError
 
 from . import schema
 from .chunks import ChunkRemover
-from .feed import FeedDatabase, decode_change, stamp_of
+from .delegation import BLOCKS_KEPT, DELEGATION_SECONDS, MAX_DELEGATED_NAMES, DelegationHeld
+from .feed import ORIGIN, FeedDatabase, decode_change, stamp_of
 from .kv import Database, Transaction
 from .kv.base import STAMP_BYTES
 from .kv.keys import decode_int, encode_int, key_after, unpack
-from .types import Attr, Caller, ChangePage, DirEntry, DirPage, Entry, Inode, Layout, Opened, Session, StatFs, TimeSpec
+from .types import (Attr, Caller, Change, ChangePage, CreateOp, Delegated, Delegation, DirEntry, DirOp, DirPage, Entry,
+                    Inode, Layout, Opened, Session, StatFs, TimeSpec)
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -70,11 +72,14 @@ class _Once(msgspec.Struct):
 
 
 _ONCE: contextvars.ContextVar[_Once | None] = contextvars.ContextVar("kvfs_meta_once", default=None)
+#: The time a delegated change was made at (its holder's clock): what meta applies it with, instead of its own.
+_NOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvfs_meta_now", default=None)
 
 _enc = msgspec.msgpack.Encoder()
 _dec_inode = msgspec.msgpack.Decoder(Inode)
 _dec_entry = msgspec.msgpack.Decoder(DirEntry)
 _dec_session = msgspec.msgpack.Decoder(Session)
+_dec_delegation = msgspec.msgpack.Decoder(Delegation)
 
 SpaceFn = Callable[[], tuple[int, int]]
 
@@ -143,6 +148,46 @@ def _check_sticky(caller: Caller, directory: Inode, victim: Inode) -> None:
         raise _err(errno.EPERM, "sticky directory")
 
 
+def child_attr(caller: Caller, parent: Attr, layout: Layout, mode: int, ino: int, now: int, *, rdev: int = 0,
+               target: bytes | None = None, seed: int | None = None) -> tuple[Attr, Layout | None]:
+    """A new inode's attributes and layout, made by ``caller`` in a directory with attributes ``parent`` whose
+    children get ``layout``: the caller owns it; the group, and for directories the setgid bit, come from a
+    setgid parent; a regular file gets its own placement ``seed`` (random if None). Meta's creates use it, and so
+    does a client that answers creates in a delegated directory itself (meta/delegation.py), so both agree."""
+    ftype, perm = stat.S_IFMT(mode), mode & 0o7777
+    is_dir = ftype == stat.S_IFDIR
+    gid = caller.gid
+    if parent.mode & stat.S_ISGID:
+        gid = parent.gid
+        if is_dir:
+            perm |= stat.S_ISGID
+    if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
+        perm &= ~stat.S_ISGID
+    blksize = layout.chunk_size
+    own_layout: Layout | None = layout
+    if ftype == stat.S_IFREG:
+        own_layout = msgspec.structs.replace(layout, seed=secrets.randbits(64) if seed is None else seed)
+    elif not is_dir:
+        own_layout = None
+    attr = Attr(ino, ftype | perm, 2 if is_dir else 1, caller.uid, gid, len(target or b""), now, now, now,
+                rdev=rdev, blksize=blksize)
+    return attr, own_layout
+
+
+def check_access(caller: Caller, attr: Attr, want: int) -> bool:
+    """Whether ``caller`` has ``want`` (R_OK|W_OK|X_OK) on ``attr`` by the rules meta enforces."""
+    try:
+        _access(caller, attr, want)
+    except KvfsError:
+        return False
+    return True
+
+
+def sticky_allows(caller: Caller, directory: Attr, victim_uid: int) -> bool:
+    """Whether the sticky bit of ``directory`` lets ``caller`` remove a name owned by ``victim_uid``."""
+    return not directory.mode & stat.S_ISVTX or caller.uid in (0, directory.uid, victim_uid)
+
+
 def _pick_time(value: TimeSpec, now: int, old: int) -> int:
     if value is None:
         return old
@@ -166,17 +211,19 @@ class MetaStore:
         root_layout: Layout = Layout(),
         clock: Callable[[], int] = time.time_ns,
         client_lease: float = 60.0,
+        delegation_lease: float = DELEGATION_SECONDS,
     ) -> None:
         """``space`` returns ``(total_bytes, free_bytes)`` for statfs (the chunk servers' capacity);
         without it statfs reports a nominal 1 PiB, all free.  ``chunk_remover`` is needed by :meth:`gc_once`.
         ``client_lease``: seconds a client may go without :meth:`renew_client` before :meth:`expire_clients`
-        ends its write sessions."""
+        ends its write sessions. ``delegation_lease``: how long a directory delegation lasts unrenewed."""
         self.db = FeedDatabase(db, clock)
         self._remover = chunk_remover
         self._space = space
         self._root_layout = root_layout
         self._clock = clock
         self._client_lease_ns = int(client_lease * 1e9)
+        self._delegation_ns = int(delegation_lease * 1e9)
         self._ids: list[int] = []
         self._id_lock = threading.Lock()
 
@@ -199,12 +246,29 @@ class MetaStore:
         tr.set(schema.inode(inode.attr.ino), _enc.encode(inode))
 
     def _dir(self, tr: Transaction, caller: Caller, ino: int, want: int = X_OK) -> Inode:
-        """A live directory the caller has ``want`` access to (search by default)."""
+        """A live directory the caller has ``want`` access to (search by default), not delegated to another client."""
         inode = self._live(tr, ino)
         if not _is_dir(inode):
             raise _err(errno.ENOTDIR, f"inode {ino}")
+        self._check_delegation(tr, caller, ino)
         _access(caller, inode.attr, want)
         return inode
+
+    def _check_delegation(self, tr: Transaction, caller: Caller, directory: int) -> None:
+        """Raise :class:`DelegationHeld` if another client holds ``directory``: it may have answered changes there
+        that meta has not seen yet (meta/delegation.py)."""
+        raw = tr.get(schema.delegation(directory))
+        if raw is None:
+            return
+        held = _dec_delegation.decode(raw)
+        if (caller.client and held.client == caller.client) or held.expires_ns <= self._clock():
+            return
+        raise DelegationHeld(directory, held.expires_ns)
+
+    def _now(self) -> int:
+        """The time a change happens at: the holder's, for a delegated change (see :meth:`apply_delegated`)."""
+        held = _NOW.get()
+        return self._clock() if held is None else held
 
     def _entry(self, tr: Transaction, parent: int, name: bytes) -> DirEntry | None:
         raw = tr.get(schema.dentry(parent, name))
@@ -223,7 +287,7 @@ class MetaStore:
         return bool(tr.get_range(*schema.session_range(ino), limit=1, snapshot=snapshot))
 
     def _touch(self, *inodes: Inode, mtime: bool = True) -> None:
-        now = self._clock()
+        now = self._now()
         for inode in inodes:
             inode.attr.ctime_ns = now
             if mtime:
@@ -239,6 +303,8 @@ class MetaStore:
             if inode.attr.nlink == 0:
                 tr.set(schema.gc(inode.attr.ino), b"")
             return
+        if _is_dir(inode):
+            tr.clear(schema.delegation(inode.attr.ino))  # held by its remover, if by anyone (see _remove)
         self._delete_inode(tr, inode.attr.ino)
 
     def _delete_inode(self, tr: Transaction, ino: int) -> None:
@@ -343,7 +409,13 @@ class MetaStore:
 
     def getattr(self, caller: Caller, ino: int) -> Attr:
         """Attributes of any existing inode (stat needs no permission on the file itself)."""
-        return self.db.run(lambda tr: self._inode(tr, ino).attr)
+        return self.db.run(self._getattr, caller, ino)
+
+    def _getattr(self, tr: Transaction, caller: Caller, ino: int) -> Attr:
+        inode = self._inode(tr, ino)
+        if _is_dir(inode):  # its times (and link count) follow changes a delegation's holder may not have sent
+            self._check_delegation(tr, caller, ino)
+        return inode.attr
 
     def access(self, caller: Caller, ino: int, mask: int) -> bool:
         """access(2): True when ``caller`` may read/write/execute (``mask`` of R_OK|W_OK|X_OK) the inode.
@@ -407,6 +479,8 @@ class MetaStore:
     def _setattr(self, tr: Transaction, caller: Caller, ino: int, mode: int | None, uid: int | None,
                  gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec) -> Attr:
         inode = self._inode(tr, ino)
+        if _is_dir(inode):
+            self._check_delegation(tr, caller, ino)
         attr = inode.attr
         now = self._clock()
         if mode is not None:
@@ -452,7 +526,7 @@ class MetaStore:
 
     # ------------------------------------------------------------------ create ------------
     def _make(self, tr: Transaction, caller: Caller, parent: int, name: bytes, mode: int, ino: int,
-              *, rdev: int = 0, target: bytes | None = None) -> Inode:
+              *, rdev: int = 0, target: bytes | None = None, seed: int | None = None) -> Inode:
         """Create inode ``ino`` named ``name`` in ``parent``: owner is the caller, the group and
         (for directories) the setgid bit come from a setgid parent, layout is the parent's
         (regular files get their own random seed)."""
@@ -460,25 +534,11 @@ class MetaStore:
         if self._entry(tr, parent, name) is not None:
             raise _err(errno.EEXIST, repr(name))
         _access(caller, pdir.attr, W_OK | X_OK)
-        ftype, perm = stat.S_IFMT(mode), mode & 0o7777
-        is_dir = ftype == stat.S_IFDIR
+        is_dir = stat.S_ISDIR(mode)
         if is_dir and pdir.attr.nlink >= LINK_MAX:
             raise _err(errno.EMLINK, f"inode {parent}")
-        gid = caller.gid
-        if pdir.attr.mode & stat.S_ISGID:
-            gid = pdir.attr.gid
-            if is_dir:
-                perm |= stat.S_ISGID
-        if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
-            perm &= ~stat.S_ISGID
-        layout = pdir.layout or self._root_layout
-        if ftype == stat.S_IFREG:
-            layout = msgspec.structs.replace(layout, seed=secrets.randbits(64))
-        elif not is_dir:
-            layout = None
-        now = self._clock()
-        attr = Attr(ino, ftype | perm, 2 if is_dir else 1, caller.uid, gid, len(target or b""), now, now, now,
-                    rdev=rdev, blksize=(layout or self._root_layout).chunk_size)
+        attr, layout = child_attr(caller, pdir.attr, pdir.layout or self._root_layout, mode, ino, self._now(),
+                                  rdev=rdev, target=target, seed=seed)
         inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target)
         self._put(tr, inode)
         self._link_entry(tr, parent, name, inode)
@@ -582,6 +642,7 @@ class MetaStore:
         _access(caller, pdir.attr, W_OK | X_OK)
         _check_sticky(caller, pdir, inode)
         if want_dir:
+            self._check_delegation(tr, caller, inode.attr.ino)  # its holder may have made names there
             self._check_empty_dir(tr, inode)
             pdir.attr.nlink -= 1
         elif _is_dir(inode):
@@ -640,6 +701,8 @@ class MetaStore:
         else:
             if dst is not None:
                 if _is_dir(src):
+                    if _is_dir(dst):
+                        self._check_delegation(tr, caller, dst.attr.ino)
                     self._check_empty_dir(tr, dst)
                 elif _is_dir(dst):
                     raise _err(errno.EISDIR, repr(newname))
@@ -803,6 +866,7 @@ class MetaStore:
             inode = self._inode(tr, ino)
             if not _is_dir(inode):
                 raise _err(errno.ENOTDIR, f"inode {ino}")
+            self._check_delegation(tr, caller, ino)  # its holder gives new files the layout it has now
             _require_owner(caller, inode.attr)
             inode.layout = layout
             self._touch(inode, mtime=False)
@@ -833,10 +897,12 @@ class MetaStore:
             self._put(tr, inode)
         return Opened(inode.attr, self._start_session(tr, caller, inode, flags), inode.layout)
 
-    def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int) -> int | None:
+    def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int,
+                       sid: int | None = None) -> int | None:
         if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
             return None
-        sid = secrets.randbits(63)
+        if sid is None:
+            sid = secrets.randbits(63)
         now = self._clock()
         tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, now, caller.client)))
         if caller.client:
@@ -916,6 +982,107 @@ class MetaStore:
             self._touch(inode, mtime=False)
             self._put(tr, inode)
         return True
+
+    # ------------------------------------------------------------------ delegations -------
+    def delegate(self, caller: Caller, directory: int, epoch: int = 0) -> Delegated:
+        """Grant ``directory`` to the calling client (meta/delegation.py), or with ``epoch`` renew that grant and
+        hand it another block of inode ids. Not granted (no error) while another client holds it, when it has more
+        than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. Needs write and search permission
+        on the directory, and a client id."""
+        if not caller.client:
+            raise _err(errno.EINVAL, "a delegation needs a client id")
+        try:
+            return self._write(self._delegate, caller, directory, epoch)
+        except DelegationHeld:
+            return Delegated(False)
+
+    def _delegate(self, tr: Transaction, caller: Caller, directory: int, epoch: int) -> Delegated:
+        pdir = self._dir(tr, caller, directory, W_OK | X_OK)
+        key = schema.delegation(directory)
+        raw = tr.get(key)
+        held = None if raw is None else _dec_delegation.decode(raw)
+        now = self._clock()
+        lease = self._delegation_ns / 1e9
+        if epoch:
+            if held is None or held.client != caller.client or held.epoch != epoch or held.expires_ns <= now:
+                return Delegated(False)
+            ids = self._reserve_block(tr, random.randrange(ID_SHARDS))
+            blocks = (held.blocks + [ids])[-BLOCKS_KEPT:]
+            tr.set(key, _enc.encode(Delegation(caller.client, epoch, now + self._delegation_ns, blocks)))
+            return Delegated(True, epoch, lease, ids)
+        rows = tr.get_range(*schema.dir_range(directory), limit=MAX_DELEGATED_NAMES + 1)
+        if len(rows) > MAX_DELEGATED_NAMES:
+            return Delegated(False)
+        ids = self._reserve_block(tr, random.randrange(ID_SHARDS))
+        epoch = secrets.randbits(62) + 1
+        tr.set(key, _enc.encode(Delegation(caller.client, epoch, now + self._delegation_ns, [ids])))
+        return Delegated(True, epoch, lease, ids, pdir.attr, pdir.layout or self._root_layout,
+                         [unpack(k)[-1] for k, _ in rows])
+
+    def undelegate(self, caller: Caller, directories: list[int]) -> int:
+        """Give back the calling client's delegations of ``directories`` (after sending every change made under
+        them); returns how many it held. Idempotent."""
+        def fn(tr: Transaction) -> int:
+            released = 0
+            for directory in directories:
+                key = schema.delegation(directory)
+                raw = tr.get(key)
+                if raw is not None and caller.client and _dec_delegation.decode(raw).client == caller.client:
+                    tr.clear(key)
+                    released += 1
+            return released
+
+        return self.db.run(fn)
+
+    def apply_delegated(self, caller: Caller, directory: int, epoch: int, ops: list[DirOp]) -> list[int]:
+        """Apply, in order and in one transaction, changes the calling client made in ``directory`` under grant
+        ``epoch`` and already answered; renews the grant. Returns an errno per change (0: applied); a change
+        that fails changes nothing. ENOLCK, with nothing applied, when the client no longer holds that grant."""
+        if not caller.client:
+            raise _err(errno.EINVAL, "a delegation needs a client id")
+        return self._write(self._apply_delegated, caller, directory, epoch, ops)
+
+    def _apply_delegated(self, tr: Transaction, caller: Caller, directory: int, epoch: int,
+                         ops: list[DirOp]) -> list[int]:
+        key = schema.delegation(directory)
+        raw = tr.get(key)
+        held = None if raw is None else _dec_delegation.decode(raw)
+        now = self._clock()
+        if held is None or held.client != caller.client or held.epoch != epoch or held.expires_ns <= now:
+            raise _err(errno.ENOLCK, f"the delegation of directory {directory} has lapsed or was given back")
+        tr.set(key, _enc.encode(Delegation(held.client, epoch, now + self._delegation_ns, held.blocks)))
+        results = []
+        for op in ops:
+            who = msgspec.structs.replace(op.who, client=caller.client)  # its sessions live on the holder's lease
+            token = _NOW.set(op.time_ns)
+            try:
+                if isinstance(op, CreateOp):
+                    self._delegated_create(tr, who, directory, held, op)
+                else:
+                    entry = self._entry(tr, directory, _check_name(op.name))
+                    if entry is None or entry.ino != op.ino:
+                        raise _err(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
+                    self._remove(tr, who, directory, op.name, False)
+                results.append(0)
+            except KvfsError as exc:  # raised before the change wrote anything
+                results.append(exc.errno or errno.EIO)
+            finally:
+                _NOW.reset(token)
+        return results
+
+    def _delegated_create(self, tr: Transaction, who: Caller, directory: int, held: Delegation, op: CreateOp) -> None:
+        if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks) or tr.get(schema.inode(op.ino)):
+            raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation or is in use")
+        name = _check_name(op.name)
+        pdir = self._inode(tr, directory)
+        if msgspec.structs.replace(pdir.layout or self._root_layout, seed=op.layout.seed) != op.layout:
+            raise _err(errno.ESTALE, f"directory {directory} gives new files another layout than {op.layout}")
+        inode = self._make(tr, who, directory, name, stat.S_IFREG | (op.mode & 0o7777), op.ino, seed=op.layout.seed)
+        self._start_session(tr, who, inode, op.flags, sid=op.session)
+
+    def recall(self, directory: int) -> None:
+        """Ask the holder of ``directory`` to give it back: a feed record it follows (meta/delegation.py)."""
+        self.db.publish(Change(ORIGIN.get(), self._clock(), [], [], [directory]))
 
     # ------------------------------------------------------------------ client leases -----
     def renew_client(self, caller: Caller) -> float:

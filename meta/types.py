@@ -156,6 +156,7 @@ class Change(msgspec.Struct, array_like=True):
     time_ns: int
     inodes: list[int]
     entries: list[tuple[int, bytes]]  # (parent inode, name)
+    recalls: list[int] = []  # directories whose delegation another client is waiting for (meta/delegation.py)
 
 
 class ChangePage(msgspec.Struct):
@@ -169,3 +170,55 @@ class ChangePage(msgspec.Struct):
     changes: list[Change]
     gap: bool = False
     more: bool = False
+
+
+class Delegation(msgspec.Struct, array_like=True):
+    """The stored delegation of a directory (key ``("meta", "L", dir)``): which client may create and remove
+    names there without asking first, under which epoch, until when (meta's clock), and the inode-id blocks
+    it was handed for its creates (the last few)."""
+
+    client: bytes
+    epoch: int
+    expires_ns: int
+    blocks: list[int]
+
+
+class Delegated(msgspec.Struct):
+    """What :meth:`meta.store.MetaStore.delegate` answers. ``granted`` False: another client holds the directory,
+    the listing is too large, or a renewal came after the delegation had lapsed. A new grant carries the
+    directory's attributes, the layout its children get, and every name in it; every grant and renewal carries
+    ``ids``, the first of ``meta.store.ID_BLOCK`` fresh inode ids for the holder's creates."""
+
+    granted: bool
+    epoch: int = 0
+    lease: float = 0.0
+    ids: int = 0
+    attr: Attr | None = None
+    layout: Layout | None = None
+    names: list[bytes] | None = None
+
+
+class CreateOp(msgspec.Struct, tag="create", array_like=True):
+    """A create the holder of a directory's delegation already answered (see :class:`Delegated`): everything the
+    answer showed (inode id, times, placement seed, write session) was chosen by the holder."""
+
+    who: Caller
+    name: bytes
+    ino: int
+    mode: int
+    flags: int
+    time_ns: int
+    layout: Layout  # the directory's, with the file's own seed: meta refuses a create whose directory differs
+    session: int | None
+
+
+class UnlinkOp(msgspec.Struct, tag="unlink", array_like=True):
+    """A removal the holder already answered; ``ino`` is the inode the name had (the holder created it)."""
+
+    who: Caller
+    name: bytes
+    ino: int
+    time_ns: int
+
+
+DirOp = CreateOp | UnlinkOp

@@ -172,6 +172,28 @@ def started(prefix: str = "kvfs-test-", **kw) -> Iterator[KvfsCluster]:
         cluster.close()
 
 
+@contextlib.contextmanager
+def second_mount(cluster, path, *options: str, log=None):
+    """Another client: ``kvfs mount`` of the same cluster at ``path`` with ``options``, removed afterwards; its
+    log goes to the file ``log`` if given."""
+    path.mkdir()
+    err = open(log, "w") if log is not None else subprocess.PIPE
+    daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), *options, str(path)], cwd=REPO,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    if log is not None:
+        err.close()  # the daemon holds its own copy
+    try:
+        wait_until(lambda: is_mounted(path), 30, "the second mount")
+        yield path
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(30)
+        finally:
+            if is_mounted(path):
+                subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
 # ------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="session")
 def kvfs_cluster() -> Iterator[KvfsCluster]:

@@ -21,7 +21,8 @@ import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import (
-    KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, started, wait_until,
+    KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, second_mount, started,
+    wait_until,
 )
 
 pytest_plugins = ["cluster_fixtures"]
@@ -293,28 +294,6 @@ def test_status_reports_every_process_down_when_mgmtd_is_down():
         assert not any(p["alive"] or p["pid"] for p in report["processes"]) and "error" in report
 
 
-@contextlib.contextmanager
-def second_mount(cluster, path, *options: str, log=None):
-    """Another client: ``kvfs mount`` of the same cluster at ``path`` with ``options``, removed afterwards; its
-    log goes to the file ``log`` if given."""
-    path.mkdir()
-    err = open(log, "w") if log is not None else subprocess.PIPE
-    daemon = subprocess.Popen([*KVFS, "mount", "--config", str(cluster.config), *options, str(path)], cwd=REPO,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, text=True)
-    if log is not None:
-        err.close()  # the daemon holds its own copy
-    try:
-        wait_until(lambda: is_mounted(path), 30, "the second mount")
-        yield path
-    finally:
-        daemon.terminate()
-        try:
-            daemon.wait(30)
-        finally:
-            if is_mounted(path):
-                subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
-
-
 def _soon(predicate, what: str, within: float = 0.5) -> None:
     wait_until(predicate, within, what, interval=0.01)
 
@@ -372,13 +351,15 @@ def test_a_directory_made_elsewhere_is_listed_after_lookups_miss_and_another_cli
         cluster, tmp_path):
     """A program making new files in a directory this mount did not create has each name looked up first; after a
     few misses the mount reads the directory's listing and answers absent names itself. Names that were there
-    stay visible, and a name another client adds later shows within half a second (the feed drops the listing)."""
+    stay visible, and a name another client adds later shows within half a second (the feed drops the listing).
+    Without delegations: with them the mount would soon hold the directory and answer absent names from the grant's
+    listing instead (tests/test_mount_delegation.py)."""
     log = tmp_path / "second.log"
     shared = cluster.mount / "made-by-the-first"
     shared.mkdir()
     for i in range(3):
         (shared / f"pre{i}").write_bytes(b"pre")
-    with second_mount(cluster, tmp_path / "second", "--log-level", "DEBUG", log=log) as second:
+    with second_mount(cluster, tmp_path / "second", "--log-level", "DEBUG", "--no-delegations", log=log) as second:
         time.sleep(0.5)
         there = second / "made-by-the-first"
         for i in range(6):
