@@ -48,7 +48,7 @@ WANT_AFTER = 2  # synchronous creates or removals in a directory before its dele
 USE_FRACTION = 0.6  # of a grant's lease, from the sending of the call that granted or renewed it
 REFILL_AT = ID_BLOCK // 4  # free inode ids left when another block is asked for
 BATCH = 512  # changes per apply_delegated call
-LINGER = 0.01  # seconds the first change of a batch waits for company, unless a call waits for it
+LINGER = 0.02  # seconds the first change of a batch waits for company, unless a call waits for it
 BACKOFF = (2.0, 60.0)  # seconds before a recalled or refused directory is asked for again: first, most
 COUNTED = 4096  # directories whose synchronous changes are counted (all are forgotten when more come)
 
@@ -85,6 +85,7 @@ class DirOps:
         self._counts: dict[int, int] = {}
         self._backoff: dict[int, tuple[float, float]] = {}  # directory -> (not before, next backoff)
         self._queue: collections.deque[tuple[_Held, DirOp]] = collections.deque()
+        self._unsent: dict[tuple[int, int], CreateOp] = {}  # (inode, session) -> its queued create
         self._queued = 0  # changes ever queued
         self._done = 0  # of those, applied or given up (in queue order)
         self._progress = trio.Event()
@@ -124,7 +125,10 @@ class DirOps:
         session = secrets.randbits(63) if flags & os.O_ACCMODE != os.O_RDONLY else None
         held.names.add(name)
         held.own[name] = (ino, attr.uid)
-        self._enqueue(held, CreateOp(caller, name, ino, mode & 0o7777, flags, now, layout, session))
+        op = CreateOp(caller, name, ino, mode & 0o7777, flags, now, layout, session)
+        if session is not None:
+            self._unsent[(ino, session)] = op
+        self._enqueue(held, op)
         if len(held.ids) < REFILL_AT and not held.refilling:
             held.refilling = True
             self._start(self._refill, held)
@@ -147,6 +151,16 @@ class DirOps:
         now = time.time_ns()
         self._enqueue(held, UnlinkOp(caller, name, ino, now))
         return self._touched(held, now)
+
+    def end_session(self, ino: int, session: int) -> bool:
+        """End the write session of a file whose create is still queued: it then goes without one (True), and needs
+        no ``close_sessions``. Nothing was written to it yet: writes report their end to meta, which waits for the
+        queue."""
+        op = self._unsent.pop((ino, session), None)
+        if op is None:
+            return False
+        op.session = None
+        return True
 
     @staticmethod
     def _touched(held: _Held, now: int) -> Attr:
@@ -336,7 +350,10 @@ class DirOps:
             held = self._queue[0][0]
             batch = []
             while self._queue and self._queue[0][0] is held and len(batch) < BATCH:
-                batch.append(self._queue.popleft()[1])
+                op = self._queue.popleft()[1]
+                if isinstance(op, CreateOp) and op.session is not None:
+                    del self._unsent[(op.ino, op.session)]
+                batch.append(op)
             try:
                 await self._send(held, batch)
             finally:

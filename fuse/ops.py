@@ -938,7 +938,7 @@ class KvfsOperations(pyfuse3.Operations):
             st.handles.discard(h)
             if not st.handles:
                 self._inodes.pop(st.ino, None)
-            if h.session is not None:
+            if h.session is not None and not (self.dirops is not None and self.dirops.end_session(st.ino, h.session)):
                 self._close_in_background(h.caller, st.ino, h.session)
 
     def _close_in_background(self, caller: Caller, ino: int, session: int) -> None:

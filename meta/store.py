@@ -526,11 +526,13 @@ class MetaStore:
 
     # ------------------------------------------------------------------ create ------------
     def _make(self, tr: Transaction, caller: Caller, parent: int, name: bytes, mode: int, ino: int,
-              *, rdev: int = 0, target: bytes | None = None, seed: int | None = None) -> Inode:
+              *, rdev: int = 0, target: bytes | None = None, seed: int | None = None,
+              parent_inode: Inode | None = None, written: bool = False) -> Inode:
         """Create inode ``ino`` named ``name`` in ``parent``: owner is the caller, the group and
         (for directories) the setgid bit come from a setgid parent, layout is the parent's
-        (regular files get their own random seed)."""
-        pdir = self._dir(tr, caller, parent)
+        (regular files get their own random seed). ``parent_inode``: the directory, loaded by a caller that makes
+        several changes in it and stores it once at the end. ``written``: a write session starts with it."""
+        pdir = parent_inode or self._dir(tr, caller, parent)
         if self._entry(tr, parent, name) is not None:
             raise _err(errno.EEXIST, repr(name))
         _access(caller, pdir.attr, W_OK | X_OK)
@@ -539,13 +541,14 @@ class MetaStore:
             raise _err(errno.EMLINK, f"inode {parent}")
         attr, layout = child_attr(caller, pdir.attr, pdir.layout or self._root_layout, mode, ino, self._now(),
                                   rdev=rdev, target=target, seed=seed)
-        inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target)
+        inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target, written=written)
         self._put(tr, inode)
         self._link_entry(tr, parent, name, inode)
         if is_dir:
             pdir.attr.nlink += 1
         self._touch(pdir)
-        self._put(tr, pdir)
+        if parent_inode is None:
+            self._put(tr, pdir)
         tr.add(schema.INODE_COUNT, 1)
         return inode
 
@@ -602,7 +605,8 @@ class MetaStore:
             if flags & os.O_EXCL:
                 raise _err(errno.EEXIST, repr(name))
             return self._open(tr, caller, entry.ino, flags & ~os.O_CREAT)
-        inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino)
+        inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino,
+                           written=bool(_open_wants(flags) & W_OK))
         session = self._start_session(tr, caller, inode, flags)
         return Opened(inode.attr, session, inode.layout, self._inode(tr, parent).attr)
 
@@ -636,8 +640,9 @@ class MetaStore:
         """Remove an empty directory; returns the parent directory's new attributes."""
         return self._write(self._remove, caller, parent, _check_name(name), True)
 
-    def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool) -> Attr:
-        pdir = self._dir(tr, caller, parent)
+    def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool,
+                parent_inode: Inode | None = None) -> Attr:
+        pdir = parent_inode or self._dir(tr, caller, parent)  # see _make
         _, inode = self._child(tr, parent, name)
         _access(caller, pdir.attr, W_OK | X_OK)
         _check_sticky(caller, pdir, inode)
@@ -649,7 +654,8 @@ class MetaStore:
             raise _err(errno.EISDIR, repr(name))
         tr.clear(schema.dentry(parent, name))
         self._touch(pdir)
-        self._put(tr, pdir)
+        if parent_inode is None:
+            self._put(tr, pdir)
         self._drop_link(tr, inode)
         return pdir.attr
 
@@ -903,6 +909,9 @@ class MetaStore:
             return None
         if sid is None:
             sid = secrets.randbits(63)
+        if not inode.written:  # its chunks may exist from now on: the collector must look for them
+            inode.written = True
+            self._put(tr, inode)
         now = self._clock()
         tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, now, caller.client)))
         if caller.client:
@@ -1051,34 +1060,38 @@ class MetaStore:
         if held is None or held.client != caller.client or held.epoch != epoch or held.expires_ns <= now:
             raise _err(errno.ENOLCK, f"the delegation of directory {directory} has lapsed or was given back")
         tr.set(key, _enc.encode(Delegation(held.client, epoch, now + self._delegation_ns, held.blocks)))
+        pdir = self._live(tr, directory)  # loaded once and stored once for the whole batch
         results = []
         for op in ops:
             who = msgspec.structs.replace(op.who, client=caller.client)  # its sessions live on the holder's lease
             token = _NOW.set(op.time_ns)
             try:
                 if isinstance(op, CreateOp):
-                    self._delegated_create(tr, who, directory, held, op)
+                    self._delegated_create(tr, who, pdir, held, op)
                 else:
                     entry = self._entry(tr, directory, _check_name(op.name))
                     if entry is None or entry.ino != op.ino:
                         raise _err(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
-                    self._remove(tr, who, directory, op.name, False)
+                    self._remove(tr, who, directory, op.name, False, parent_inode=pdir)
                 results.append(0)
             except KvfsError as exc:  # raised before the change wrote anything
                 results.append(exc.errno or errno.EIO)
             finally:
                 _NOW.reset(token)
+        if any(code == 0 for code in results):
+            self._put(tr, pdir)
         return results
 
-    def _delegated_create(self, tr: Transaction, who: Caller, directory: int, held: Delegation, op: CreateOp) -> None:
+    def _delegated_create(self, tr: Transaction, who: Caller, pdir: Inode, held: Delegation, op: CreateOp) -> None:
         if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks) or tr.get(schema.inode(op.ino)):
             raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation or is in use")
         name = _check_name(op.name)
-        pdir = self._inode(tr, directory)
         if msgspec.structs.replace(pdir.layout or self._root_layout, seed=op.layout.seed) != op.layout:
-            raise _err(errno.ESTALE, f"directory {directory} gives new files another layout than {op.layout}")
-        inode = self._make(tr, who, directory, name, stat.S_IFREG | (op.mode & 0o7777), op.ino, seed=op.layout.seed)
-        self._start_session(tr, who, inode, op.flags, sid=op.session)
+            raise _err(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
+        inode = self._make(tr, who, pdir.attr.ino, name, stat.S_IFREG | (op.mode & 0o7777), op.ino,
+                           seed=op.layout.seed, parent_inode=pdir, written=op.session is not None)
+        if op.session is not None:  # None: the holder ended it before sending the create (nothing was written)
+            self._start_session(tr, who, inode, op.flags, sid=op.session)
 
     def recall(self, directory: int) -> None:
         """Ask the holder of ``directory`` to give it back: a feed record it follows (meta/delegation.py)."""
@@ -1134,21 +1147,24 @@ class MetaStore:
         if self._remover is None:
             raise KvfsError("gc_once needs a chunk_remover", errno.ENOSYS)
 
-        def pending(tr: Transaction) -> list[int]:
+        def pending(tr: Transaction) -> list[tuple[int, bool]]:
             out = []  # queued files still open are passed over, so they cannot hold up the ones behind them
             for key, _ in tr.get_range(*schema.GC_RANGE, limit=limit * _GC_SCAN_FACTOR, snapshot=True):
                 ino = unpack(key)[-1]
-                if tr.get(schema.inode(ino), snapshot=True) is not None and not self._sessions(tr, ino, snapshot=True):
-                    out.append(ino)
+                raw = tr.get(schema.inode(ino), snapshot=True)
+                if raw is not None and not self._sessions(tr, ino, snapshot=True):
+                    out.append((ino, _dec_inode.decode(raw).written))
                     if len(out) == limit:
                         break
             return out
 
-        inodes = self.db.run(pending)
-        if not inodes:
+        found = self.db.run(pending)
+        if not found:
             return 0
-        self._remover.remove_chunks(inodes)
-        return self.db.run(self._gc_finish, inodes)
+        with_chunks = [ino for ino, written in found if written]  # never written: no chunk server holds any
+        if with_chunks:
+            self._remover.remove_chunks(with_chunks)
+        return self.db.run(self._gc_finish, [ino for ino, _ in found])
 
     def _gc_finish(self, tr: Transaction, inodes: list[int]) -> int:
         done = 0

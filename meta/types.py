@@ -92,6 +92,7 @@ class Inode(msgspec.Struct):
     parent: int = 0  # directories only: the one directory holding them, for ".." and rename's walk
     layout: Layout | None = None  # files: their own; directories: what new children copy
     target: bytes | None = None  # symlinks
+    written: bool = True  # False: no write session was ever opened on it, so no chunk of it exists anywhere
 
 
 class DirEntry(msgspec.Struct, array_like=True):
