@@ -19,7 +19,8 @@ from .types import DirEntry, Inode, Session
 def check(db: Database) -> list[str]:
     """Problems found (empty when consistent): dangling entries, wrong nlink or type, directories
     with a wrong parent pointer or several names, nameless inodes not queued for GC, a wrong
-    inode count, write sessions and their owners' index out of step."""
+    inode count, write sessions and their owners' index out of step, delegations of what is not a directory, and
+    files with a write session that say they were never written."""
     return db.run(_check)
 
 
@@ -72,6 +73,13 @@ def _check(tr: Transaction) -> list[str]:
     want_owned = {k: client for k, client in sessions.items() if client}
     if owned != want_owned:
         problems.append(f"client session index {sorted(owned.items())} != sessions {sorted(want_owned.items())}")
+    for key, _ in tr.get_range(*schema.DELEGATION_RANGE):
+        ino = unpack(key)[-1]
+        if ino not in inodes or not stat.S_ISDIR(inodes[ino].attr.mode):
+            problems.append(f"delegation of {ino}, which is not a directory")
+    for ino in {ino for ino, _ in sessions}:
+        if ino in inodes and not inodes[ino].written:  # the collector would skip its chunks
+            problems.append(f"inode {ino} has a write session but says it was never written")
     count = decode_int(tr.get(schema.INODE_COUNT))
     if count != len(inodes):
         problems.append(f"inode count {count} != {len(inodes)} records")
