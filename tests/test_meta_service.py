@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import stat
+import time
 
 import msgspec
 
@@ -13,7 +14,7 @@ import trio
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient
 from meta.client import RemoteMeta
-from meta.types import ROOT, Caller
+from meta.types import ROOT, Caller, CreateOp
 
 from harness import TOKEN, free_port, wait_for_port
 
@@ -168,3 +169,37 @@ async def test_watch_wakes_at_another_clients_change_on_either_instance(meta_add
             (change,) = got[0].changes
             assert change.client == b"other" and made.ino in change.inodes
             cursor = got[0].cursor
+
+
+async def test_a_call_into_a_delegated_directory_waits_for_the_holder_through_either_instance(meta_addresses):
+    """Over real processes: the holder (on one instance) answers creates itself; another client's listing through the
+    other instance makes that instance publish a recall and answer EAGAIN, which the client retries; the holder, which
+    follows the feed, applies what it queued and gives the directory back, and the retried listing shows it all."""
+    holder, other = Caller(0, 0, client=b"holder"), Caller(0, 0, client=b"other")
+    async with RpcClient(TOKEN) as client:
+        near, far = RemoteMeta(client, meta_addresses[:1]), RemoteMeta(client, meta_addresses[1:])
+        d = await near.mkdir(holder, 1, b"held", 0o755)
+        grant = await near.delegate(holder, d.ino)
+        assert grant.granted and grant.names == []
+        layout = msgspec.structs.replace(grant.layout, seed=7)
+        queued = [CreateOp(holder, f"f{i}".encode(), grant.ids + i, 0o644, 0, time.time_ns(), layout, None)
+                  for i in range(3)]
+        cursor = (await near.watch(holder, b"", wait=1)).cursor
+
+        async def follow_the_feed() -> None:
+            nonlocal cursor
+            while True:
+                page = await near.watch(holder, cursor, wait=5)
+                cursor = page.cursor
+                if any(d.ino in change.recalls for change in page.changes):
+                    assert await near.apply_delegated(holder, d.ino, grant.epoch, queued) == [0, 0, 0]
+                    assert await near.undelegate(holder, [d.ino]) == 1
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_the_feed)
+            started = trio.current_time()
+            page = await far.readdir(other, d.ino)
+        assert [e.name for e in page.entries] == [b"f0", b"f1", b"f2"]
+        assert trio.current_time() - started < 3  # the other instance's feed poll, not a lapsed grant
+        assert not (await near.delegate(holder, d.ino, grant.epoch)).granted  # given back: renewal refused
