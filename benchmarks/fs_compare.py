@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""Compare kvfs with MooseFS and a plain local directory: the same fio jobs and metadata loop on all three.
+"""Compare kvfs with MooseFS and a plain local directory: the same fio jobs and metadata loop on all three, and
+the metadata loop on an in-memory pyfuse3 filesystem (the floor under kvfs's metadata rows).
 
     sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000]
                                                     [--meta-rounds 3] [--no-kvfs-fsync]
-                                                    [--skip-kvfs] [--skip-moosefs] [--skip-local]
+                                                    [--skip-kvfs] [--skip-moosefs] [--skip-local] [--skip-pyfuse3]
                                                     [--install] [--keep] [--json-out FILE]
 
 Targets, one after the other (each is set up, measured and torn down before the next starts, so idle
 daemons of one do not steal CPU from another on a small machine):
 
 * ``local``   a directory under the work dir (same disk as the other two targets' data);
+* ``pyfuse3`` ``benchmarks/memfs.py``: an in-memory filesystem on pyfuse3 and trio with the kvfs mount's options
+  and kernel timeouts, metadata loop only: what FUSE, pyfuse3 and trio alone cost per operation, the floor
+  under kvfs's metadata rows (no fio: it keeps no data);
 * ``kvfs``    ``kvfs up`` on a temp data dir: mgmtd, meta, 3 chunk servers, chains of 3 replicas, FUSE mount;
 * ``moosefs`` Debian's moosefs packages: mfsmaster and 3 mfschunkserver (goal 3, trash time 0), in a
   network namespace of this script's own (``kvfsbench-mfs``; a veth pair 10.231.0.1/24 on the host side,
@@ -389,6 +393,7 @@ def run_meta(directory: Path, files: int, rounds: int, figures: dict[str, float]
 
 class Target:
     name = "?"
+    has_data = True  # fio runs on it
 
     def __init__(self, work: Path, args: argparse.Namespace) -> None:
         self.work = work
@@ -510,6 +515,43 @@ class KvfsTarget(Target):
                                       f"WARNING lines, first: {first}")
         if not any(n.startswith("kvfs logs/") for n in self.notes):
             self.notes.append("kvfs logs: no ERROR/Traceback/WARNING lines")
+
+
+class PyfuseTarget(Target):
+    """benchmarks/memfs.py: the metadata rows' floor (see the module docstring)."""
+
+    name = "pyfuse3"
+    has_data = False
+
+    def __init__(self, work: Path, args: argparse.Namespace) -> None:
+        super().__init__(work, args)
+        self.mnt = work / "memfs-mnt"
+        self.proc: subprocess.Popen | None = None
+        self.python = KvfsTarget._kvfs_cmd()
+
+    def unavailable(self) -> str | None:
+        if self.python is None:
+            return "kvfs's venv not found (pyfuse3 comes with it): make the venv first"
+        if not os.path.exists("/dev/fuse"):
+            return "no /dev/fuse"
+        return None
+
+    def setup(self) -> Path:
+        assert self.python is not None
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.proc = proc = subprocess.Popen([self.python[0], str(REPO / "benchmarks" / "memfs.py"), str(self.mnt)],
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.PIPE, start_new_session=True)
+        wait_for(lambda: mount_entry(self.mnt) is not None, 30, "memfs", alive=lambda: proc.poll() is None)
+        check_mounted(self.mnt, "fuse", "memfs")
+        return self.mnt
+
+    def teardown(self) -> None:
+        if self.proc is not None:
+            _killpg(self.proc, signal.SIGTERM)
+            stop_process(self.proc, "memfs", 10)
+        if mount_entry(self.mnt) is not None:
+            unmount(self.mnt, "memfs")
 
 
 class MooseFSTarget(Target):
@@ -749,12 +791,13 @@ def ratio(a: float | None, b: float | None) -> str:
 def table(results: dict[str, dict[str, float]], metrics: list[tuple[str, str, str]] = METRICS,
           suffix: str = "") -> str:
     """Markdown table of ``metrics``; each figure is ``results[target][key + suffix]``."""
-    cols = ["kvfs", "moosefs", "local"]
-    head = ["metric", "unit", "kvfs", "MooseFS", "local", "kvfs/MooseFS", "kvfs/local"]
+    cols = ["kvfs", "moosefs", "local", "pyfuse3"]
+    head = ["metric", "unit", "kvfs", "MooseFS", "local", "pyfuse3", "kvfs/MooseFS", "kvfs/local", "kvfs/pyfuse3"]
     rows = []
     for key, label, unit in metrics:
         vals = [results.get(c, {}).get(key + suffix) for c in cols]
-        rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2])])
+        rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2]),
+                     ratio(vals[0], vals[3])])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(r: list[str]) -> str:
@@ -802,6 +845,7 @@ def main() -> int:
                         "chunk servers do not")
     p.add_argument("--skip-moosefs", action="store_true")
     p.add_argument("--skip-local", action="store_true")
+    p.add_argument("--skip-pyfuse3", action="store_true", help="leave out the in-memory pyfuse3 floor (memfs.py)")
     p.add_argument("--install", action="store_true", help="apt-get install fio and the moosefs packages if missing")
     p.add_argument("--workdir", type=Path, default=None, help="parent for the temp dir (default: $TMPDIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs, fio JSON) afterwards")
@@ -827,7 +871,8 @@ def main() -> int:
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fs_compare-", dir=args.workdir))
-    classes = [(LocalTarget, args.skip_local), (KvfsTarget, args.skip_kvfs), (MooseFSTarget, args.skip_moosefs)]
+    classes = [(LocalTarget, args.skip_local), (PyfuseTarget, args.skip_pyfuse3), (KvfsTarget, args.skip_kvfs),
+               (MooseFSTarget, args.skip_moosefs)]
     targets = [cls(work, args) for cls, skip in classes if not skip]
     results: dict[str, dict[str, float]] = {}
     details: dict[str, Any] = {}
@@ -854,7 +899,7 @@ def main() -> int:
                     status = 1
                     continue
                 figures = results[target.name] = {}
-                if have_fio:
+                if have_fio and target.has_data:
                     details[target.name] = {}
                     if not run_fio(directory, work, target.name, args.size, args.runtime, figures,
                                    details[target.name]):

@@ -87,6 +87,7 @@ class DirOps:
         self._queue: collections.deque[tuple[_Held, DirOp]] = collections.deque()
         self._unsent: dict[tuple[int, int], CreateOp] = {}  # (inode, session) -> its queued create
         self._queued = 0  # changes ever queued
+        self._taken = 0  # of those, taken into a batch (in queue order)
         self._done = 0  # of those, applied or given up (in queue order)
         self._progress = trio.Event()
         self._wake = trio.Event()  # something is queued
@@ -330,11 +331,17 @@ class DirOps:
         if len(self._queue) >= BATCH:
             self._urgent.set()
 
-    async def settled(self) -> None:
-        """Wait until every change queued so far is applied (or given up)."""
-        target = self._queued
+    def position(self) -> int:
+        """How many changes were queued so far: :meth:`settled` waits for as many."""
+        return self._queued
+
+    async def settled(self, upto: int | None = None) -> None:
+        """Wait until every change queued so far (the first ``upto``) is applied or given up; those not yet on their
+        way go without lingering."""
+        target = self._queued if upto is None else upto
         while self._done < target:
-            self._urgent.set()
+            if self._taken < target:
+                self._urgent.set()
             await self._progress.wait()
 
     async def run(self) -> None:
@@ -343,9 +350,8 @@ class DirOps:
             if not self._queue:
                 self._wake = trio.Event()
                 await self._wake.wait()
-                with trio.move_on_after(LINGER):  # one call for a burst of changes, not one each
-                    await self._urgent.wait()
-                continue
+            with trio.move_on_after(LINGER):  # one call for a burst of changes, not one each
+                await self._urgent.wait()
             self._urgent = trio.Event()
             held = self._queue[0][0]
             batch = []
@@ -354,6 +360,7 @@ class DirOps:
                 if isinstance(op, CreateOp) and op.session is not None:
                     del self._unsent[(op.ino, op.session)]
                 batch.append(op)
+            self._taken += len(batch)
             try:
                 await self._send(held, batch)
             finally:
@@ -392,7 +399,7 @@ class Ordered:
     (:meth:`DirOps.settled`), so the mount's own view is in program order."""
 
     def __init__(self, meta: Any, dirops: DirOps) -> None:
-        self._meta = meta
+        self.unordered = meta  # for a call that knows which changes it must wait for (DirOps.settled)
         self._dirops = dirops
         self._calls: dict[str, Any] = {}
         self.client_id = getattr(meta, "client_id", b"")
@@ -400,7 +407,7 @@ class Ordered:
     def __getattr__(self, name: str) -> Any:
         call = self._calls.get(name)
         if call is None:
-            fn = getattr(self._meta, name)
+            fn = getattr(self.unordered, name)
             settled = self._dirops.settled
 
             async def call(*args: Any, **kwargs: Any) -> Any:

@@ -213,6 +213,7 @@ class KvfsOperations(pyfuse3.Operations):
         # directory -> [absent names meta reported since its listing was last read, how many make it read again]
         self._misses: dict[int, list[int]] = {}
         self._closed = trio.Event()
+        self._close_after = 0  # delegated changes to wait for before the queued session ends go (see _end_sessions)
 
     def init(self) -> None:
         """Called (synchronously, in the trio thread) when the kernel's INIT arrives."""
@@ -954,6 +955,8 @@ class KvfsOperations(pyfuse3.Operations):
         if self.nursery is None:
             raise RuntimeError("KvfsOperations used outside run_mount")
         self._to_close.append((ino, session, None))
+        if self.dirops is not None:  # the sessions' creates, if answered here, are among the changes queued by now
+            self._close_after = self.dirops.position()
         self._closing += 1
         if self._closing == 1:  # nothing was queued or on its way, so no closer task runs: start one
             self.nursery.start_soon(self._end_sessions, caller)
@@ -966,7 +969,11 @@ class KvfsOperations(pyfuse3.Operations):
         while self._to_close:
             batch, self._to_close = self._to_close[:_CLOSE_BATCH], self._to_close[_CLOSE_BATCH:]
             try:
-                await self.meta.close_sessions(caller, batch)
+                if self.dirops is None:
+                    await self.meta.close_sessions(caller, batch)
+                else:  # only after the creates of these files, not after every change queued since (fuse/dirops.py)
+                    await self.dirops.settled(self._close_after)
+                    await self.meta.unordered.close_sessions(caller, batch)
             except Exception:
                 log.exception("ending %d write sessions (inodes %s...)", len(batch), [b[0] for b in batch[:5]])
             finally:
