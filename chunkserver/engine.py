@@ -57,13 +57,11 @@ from typing import NamedTuple
 import msgspec
 from crc32c import crc32c
 
+from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
-BLOCK = 64 * 1024
-"""Bytes covered by one stored CRC32C."""
 MIN_CLASS_LOG2 = 16
 MAX_CLASS_LOG2 = 26
-_ZEROS = memoryview(bytes(BLOCK))
 _FORMAT = 1
 
 
@@ -134,45 +132,15 @@ def _nblocks(length: int) -> int:
     return -(-length // BLOCK)
 
 
-def _shift_tables(n: int) -> tuple[list[int], ...]:
-    """Byte tables of the linear map ``a -> crc32c(zeros(n), value=a) ^ crc32c(zeros(n))``.
-
-    CRC32C is affine in its input, so ``crc(A + B) == M(crc(A)) ^ crc(B)`` where ``M`` is this map for
-    ``n = len(B)``: folding block CRCs costs four table lookups per block instead of a pass over zeros."""
-    zero = crc32c(_ZEROS[:n])
-    basis = [crc32c(_ZEROS[:n], value=1 << i) ^ zero for i in range(32)]
-    tables = []
-    for k in range(4):
-        table = [0] * 256
-        for b in range(1, 256):
-            low = b & -b
-            table[b] = table[b ^ low] ^ basis[8 * k + low.bit_length() - 1]
-        tables.append(table)
-    return tuple(tables)
-
-
-_T0, _T1, _T2, _T3 = _shift_tables(BLOCK)
-
-
-def _shift_block(crc: int) -> int:
-    """``crc`` carried over BLOCK more bytes (see :func:`_shift_tables`)."""
-    return _T0[crc & 0xFF] ^ _T1[(crc >> 8) & 0xFF] ^ _T2[(crc >> 16) & 0xFF] ^ _T3[crc >> 24]
-
-
-def fold_crc(blocks: array | list[int], length: int) -> int:
-    """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`)."""
-    total = blocks[0] if len(blocks) else 0
-    for i in range(1, len(blocks)):
-        n = min(BLOCK, length - i * BLOCK)  # only the final piece may be short: shift by its own length
-        shifted = _shift_block(total) if n == BLOCK else crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
-        total = shifted ^ blocks[i]
-    return total
-
-
-def _checked_block_crcs(what: str, data: memoryview, crc: int) -> list[int]:
+def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int] | None = None) -> list[int]:
     """CRCs of ``data``'s BLOCK-sized pieces, after checking that together they make ``crc``: one pass over the
-    data serves both the check and the stored block CRCs."""
-    blocks = [crc32c(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    data serves both the check and the stored block CRCs. ``blocks``: those CRCs as the caller computed them
+    (the chain member, which checks every write it accepts), so the data is not read again; only their count
+    and their fold into ``crc`` are checked."""
+    if blocks is None:
+        blocks = block_crcs(data)
+    elif len(blocks) != _nblocks(len(data)):
+        raise KvfsError(f"{what}: {len(blocks)} block CRCs for {len(data)} bytes", errno.EINVAL)
     if fold_crc(blocks, len(data)) != crc:
         raise ChecksumMismatch(f"{what}: data does not match its CRC32C")
     return blocks
@@ -436,6 +404,7 @@ class ChunkEngine:
         chunk_size: int,
         aux: bytes = b"",
         force: bool = False,
+        block_crcs: list[int] | None = None,
     ) -> ChunkMeta:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
 
@@ -447,9 +416,11 @@ class ChunkEngine:
         ``chunk_size``, ENOSPC when full, StaleVersion if ``version`` is not newer than the
         committed one. A retransmit of the staged (or just committed) write returns its meta.
         A different pending version replaces the current one: the replication layer decides.
+        ``block_crcs``: the CRC32Cs of ``data``'s BLOCK pieces when the caller has already computed them
+        (:func:`kvfs.crc.block_crcs`); they must fold into ``crc``, and the data is not read again.
         """
         data = memoryview(data).cast("B")
-        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc)
+        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
         if offset < 0 or offset + len(data) > chunk_size or (full_replace and offset):
             raise KvfsError(
                 f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
@@ -485,7 +456,7 @@ class ChunkEngine:
             finally:
                 with self._lock:
                     self._unpin(old)
-            whole = crc if full_replace else fold_crc(blocks, new_len)
+            whole = crc if full_replace or (offset == 0 and len(data) == new_len) else fold_crc(blocks, new_len)
             staged = _Version(version, new_len, whole, blocks, cls, slot, origin, aux)
             return self._publish_pending(cid, staged, force)
         except BaseException as e:

@@ -302,6 +302,7 @@ class ChunkServer:
                 lambda: engine.write_pending(
                     _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
+                    block_crcs=e.block_crcs,
                 )
             )
         except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version
