@@ -38,6 +38,16 @@ reused only after the transaction that dropped its row is durable. Hence after k
 fsync=True, power loss) each chunk is at its old or new committed version, and every row points
 at complete, checksummed data. Pending versions survive a restart and are reported by
 ``meta().pending_version``: the replication layer commits or aborts them.
+
+``commit(..., durable=False)`` (what the chain uses) skips the fsync of its transaction: one fsync
+fewer per write and replica. It is written to the WAL (the page cache), so a kill -9 loses nothing;
+a power loss may undo it, but SQLite recovers a prefix of the WAL's transactions, so it is undone
+only together with everything after it, and the chunk is back at its old committed version with
+the new one pending and complete (its data and row were fsync'ed before the commit): the state
+of a crash just before the commit, which the replication layer already finishes (it re-commits a
+persisted pending version, or resyncs the replica). The old committed version's slot stays out of
+use until a durable transaction (every ``write_pending`` is one) has made the commit durable, so a
+row that may come back never names reused space.
 """
 
 from __future__ import annotations
@@ -166,6 +176,7 @@ class ChunkEngine:
         self._chunks: dict[int, dict[int, _Entry]] = {}
         self._pins: Counter[tuple[int, int]] = Counter()
         self._deferred: set[tuple[int, int]] = set()
+        self._undurable_frees: list[tuple[int, int]] = []  # slots dropped by commits not yet fsync'ed
         self._used = 0
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         self._lockfd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -483,24 +494,40 @@ class ChunkEngine:
                 entry.pending = v
                 return self._meta(cid, v, entry)
 
-    def _execute(self, *statements: tuple[str, tuple]) -> None:
-        """Run statements as one durable transaction; a full disk becomes ENOSPC with nothing changed."""
+    def _execute(self, *statements: tuple[str, tuple], durable: bool = True) -> None:
+        """Run statements as one transaction (the caller holds ``_db_lock``); a full disk becomes ENOSPC with
+        nothing changed. ``durable=False`` leaves out its fsync (see "Crash safety"); a durable one also makes
+        every earlier one durable, so the slots those dropped become free."""
+        lazy = self._fsync and not durable
         try:
-            self._db.execute("BEGIN IMMEDIATE")
+            if lazy:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                for sql, args in statements:
-                    self._db.execute(sql, args)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, args in statements:
+                        self._db.execute(sql, args)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                if lazy:
+                    self._db.execute("PRAGMA synchronous=FULL")
         except sqlite3.OperationalError as e:
             if "full" in str(e):
                 raise _enospc(f"metadata of target {self.root}: {e}") from e
             raise KvfsError(f"metadata of target {self.root}: {e}", errno.EIO) from e
+        if not lazy and self._undurable_frees:
+            with self._lock:
+                for cls, slot in self._undurable_frees:
+                    self._free(cls, slot)
+                self._undurable_frees.clear()
 
-    def commit(self, chunk_id: ChunkId, version: int) -> ChunkMeta:
-        """Make pending ``version`` the committed one (atomic); idempotent once it is committed."""
+    def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkMeta:
+        """Make pending ``version`` the committed one (atomic); idempotent once it is committed.
+        ``durable=False``: without an fsync of its own; a power loss may leave the version pending (see
+        "Crash safety")."""
         with self._db_lock:
             entry = self._entry(chunk_id)
             if entry is None or entry.pending is None or entry.pending.version != version:
@@ -511,9 +538,12 @@ class ChunkEngine:
             self._execute(
                 ("DELETE FROM versions WHERE inode=? AND idx=? AND pending=0", key),
                 ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key),
+                durable=durable,
             )
             with self._lock:
-                if entry.committed is not None:
+                if entry.committed is not None and self._fsync and not durable:
+                    self._undurable_frees.append((entry.committed.cls, entry.committed.slot))
+                elif entry.committed is not None:
                     self._free(entry.committed.cls, entry.committed.slot)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)

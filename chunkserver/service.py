@@ -256,7 +256,8 @@ class ChunkServer:
             elif isinstance(effect, Commit):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
-                    lambda e=effect: trio.to_thread.run_sync(engine.commit, _engine_id(e.chunk_id), e.version),
+                    lambda e=effect: trio.to_thread.run_sync(
+                        lambda: engine.commit(_engine_id(e.chunk_id), e.version, durable=False)),
                 )
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
