@@ -138,9 +138,7 @@ class ChunkServer:
     def register_handlers(self, server: RpcServer) -> None:
         for method, handler in (
             (p.WRITE, self._on_write),
-            (p.PEER, self._on_peer),
             (p.READ, self._on_read),
-            (p.VERSION_QUERY, self._on_version_query),
             (p.FETCH, self._on_fetch),
             (p.REMOVE, self._on_remove),
             (p.REMOVE_FILES, self._on_remove_files),
@@ -149,6 +147,10 @@ class ChunkServer:
             (p.CHUNK_STAT, self._on_chunk_stat),
         ):
             server.register(method, handler)
+        # In the connection's reader task, not a task each (two per write and replica): they never wait, they
+        # hand the message to the member (whose effects start tasks of their own) or answer from memory.
+        server.register(p.PEER, self._on_peer, inline=True)
+        server.register(p.VERSION_QUERY, self._on_version_query, inline=True)
 
     async def run(self) -> None:
         """Register, then heartbeat and tick until cancelled; every effect's task lives in this nursery."""
