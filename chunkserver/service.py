@@ -330,7 +330,7 @@ class ChunkServer:
             data, msg = msg.data, msgspec.structs.replace(msg, data=None)
         try:
             address = self._address_of_target(target_id)
-            await self.rpc.call(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
+            await self.rpc.send(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 
