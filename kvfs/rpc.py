@@ -457,6 +457,17 @@ class Connection:
         for slab in self._held.pop(request_id, ()):
             slab.release()
 
+    def _outgoing(self, data: Buffer | Sequence[Buffer] | None) -> tuple[list[Buffer], int]:
+        """The data section's buffers and length, once this connection may send a new request at all."""
+        if self._going_away:
+            raise ServiceUnavailable(f"{self.address} is shutting down; request not sent")
+        if self._closed is not None:
+            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
+        buffers, data_len = _data_buffers(data)
+        if data_len > self._limits.max_data:
+            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
+        return buffers, data_len
+
     async def call(
         self,
         method: Method,
@@ -466,15 +477,9 @@ class Connection:
         into: memoryview | None = None,
     ) -> tuple[Any, memoryview | None]:
         """Send one request and wait for its answer; the deadline is the caller's cancel scope."""
-        if self._going_away:
-            raise ServiceUnavailable(f"{self.address} is shutting down; call not sent")
-        if self._closed is not None:
-            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
+        buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
         body = wire.encode_body(request)
-        buffers, data_len = _data_buffers(data)
-        if data_len > self._limits.max_data:
-            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
         link = self.rdma
         if link is not None and link.ready:
             plan = link.plan(data_len, None if into is None else len(into))
@@ -499,13 +504,7 @@ class Connection:
                    ) -> None:
         """Send one request that is not answered (``Flags.ONEWAY``); returns once it is written or queued (once its
         data is in the kernel, for a caller-owned buffer). Always over TCP: an RDMA transfer needs an answer."""
-        if self._going_away:
-            raise ServiceUnavailable(f"{self.address} is shutting down; message not sent")
-        if self._closed is not None:
-            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
-        buffers, data_len = _data_buffers(data)
-        if data_len > self._limits.max_data:
-            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
+        buffers, data_len = self._outgoing(data)
         frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, wire.encode_body(request),
                                   data_len, wire.Flags.ONEWAY)
         await self._writer.put([frame, *buffers])
@@ -768,16 +767,8 @@ class RpcClient(_TransportChoice):
                 await trio.sleep(min(0.05 * 2**attempt, 1.0))
         raise error
 
-
-    async def send(
-        self,
-        address: str,
-        method: Method,
-        request: msgspec.Struct,
-        *,
-        data: Buffer | Sequence[Buffer] | None = None,
-        timeout: float | None = None,
-    ) -> None:
+    async def send(self, address: str, method: Method, request: msgspec.Struct, *,
+                   data: Buffer | Sequence[Buffer] | None = None, timeout: float | None = None) -> None:
         """Send ``method`` at ``address`` without waiting for (or getting) an answer: a one-way message whose loss
         the caller repairs itself. Not retried; ``timeout`` bounds connecting and handing the bytes to the kernel."""
         deadline = self.call_timeout if timeout is None else timeout
