@@ -361,6 +361,9 @@ class ChunkEngine:
         dst = self._files[cls]
         base = slot * dst.size
         end = offset + len(data)
+        if offset == 0 and end == new_len:  # the whole new version is the write (a full chunk, say): one pwrite
+            self._pwrite(dst.fd, data, base)
+            return array("I", data_blocks)
         crcs = array("I")
 
         def kind(b: int) -> int:
