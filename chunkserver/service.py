@@ -49,6 +49,7 @@ from craq.member import (
 )
 from craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
 from craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.aio import Workers
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
 from kvfs.rpc import CallContext, RpcClient, RpcServer
@@ -133,6 +134,7 @@ class ChunkServer:
         self._waiters: dict[tuple[int, int], _Waiter] = {}
         self._chunk_queues: dict[tuple[int, ChunkId], collections.deque[Callable[[], Any]]] = {}
         self._nursery: trio.Nursery | None = None
+        self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
         self.registered = trio.Event()
 
     def register_handlers(self, server: RpcServer) -> None:
@@ -258,7 +260,7 @@ class ChunkServer:
             elif isinstance(effect, Commit):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
-                    lambda e=effect: trio.to_thread.run_sync(
+                    lambda e=effect: self._workers.run(
                         lambda: engine.commit(_engine_id(e.chunk_id), e.version, durable=False)),
                 )
             elif isinstance(effect, Abort):
@@ -301,7 +303,7 @@ class ChunkServer:
     async def _persist(self, target_id: int, e: PersistPending) -> None:
         engine = self.engines[target_id]
         try:
-            meta = await trio.to_thread.run_sync(
+            meta = await self._workers.run(
                 lambda: engine.write_pending(
                     _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
