@@ -38,6 +38,16 @@ reused only after the transaction that dropped its row is durable. Hence after k
 fsync=True, power loss) each chunk is at its old or new committed version, and every row points
 at complete, checksummed data. Pending versions survive a restart and are reported by
 ``meta().pending_version``: the replication layer commits or aborts them.
+
+``commit(..., durable=False)`` (what the chain uses) skips the fsync of its transaction: one fsync
+fewer per write and replica. It is written to the WAL (the page cache), so a kill -9 loses nothing;
+a power loss may undo it, but SQLite recovers a prefix of the WAL's transactions, so it is undone
+only together with everything after it, and the chunk is back at its old committed version with
+the new one pending and complete (its data and row were fsync'ed before the commit): the state
+of a crash just before the commit, which the replication layer already finishes (it re-commits a
+persisted pending version, or resyncs the replica). The old committed version's slot stays out of
+use until a durable transaction (every ``write_pending`` is one) has made the commit durable, so a
+row that may come back never names reused space.
 """
 
 from __future__ import annotations
@@ -57,13 +67,11 @@ from typing import NamedTuple
 import msgspec
 from crc32c import crc32c
 
+from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
-BLOCK = 64 * 1024
-"""Bytes covered by one stored CRC32C."""
 MIN_CLASS_LOG2 = 16
 MAX_CLASS_LOG2 = 26
-_ZEROS = memoryview(bytes(BLOCK))
 _FORMAT = 1
 
 
@@ -134,45 +142,15 @@ def _nblocks(length: int) -> int:
     return -(-length // BLOCK)
 
 
-def _shift_tables(n: int) -> tuple[list[int], ...]:
-    """Byte tables of the linear map ``a -> crc32c(zeros(n), value=a) ^ crc32c(zeros(n))``.
-
-    CRC32C is affine in its input, so ``crc(A + B) == M(crc(A)) ^ crc(B)`` where ``M`` is this map for
-    ``n = len(B)``: folding block CRCs costs four table lookups per block instead of a pass over zeros."""
-    zero = crc32c(_ZEROS[:n])
-    basis = [crc32c(_ZEROS[:n], value=1 << i) ^ zero for i in range(32)]
-    tables = []
-    for k in range(4):
-        table = [0] * 256
-        for b in range(1, 256):
-            low = b & -b
-            table[b] = table[b ^ low] ^ basis[8 * k + low.bit_length() - 1]
-        tables.append(table)
-    return tuple(tables)
-
-
-_T0, _T1, _T2, _T3 = _shift_tables(BLOCK)
-
-
-def _shift_block(crc: int) -> int:
-    """``crc`` carried over BLOCK more bytes (see :func:`_shift_tables`)."""
-    return _T0[crc & 0xFF] ^ _T1[(crc >> 8) & 0xFF] ^ _T2[(crc >> 16) & 0xFF] ^ _T3[crc >> 24]
-
-
-def fold_crc(blocks: array | list[int], length: int) -> int:
-    """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`)."""
-    total = blocks[0] if len(blocks) else 0
-    for i in range(1, len(blocks)):
-        n = min(BLOCK, length - i * BLOCK)  # only the final piece may be short: shift by its own length
-        shifted = _shift_block(total) if n == BLOCK else crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
-        total = shifted ^ blocks[i]
-    return total
-
-
-def _checked_block_crcs(what: str, data: memoryview, crc: int) -> list[int]:
+def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int] | None = None) -> list[int]:
     """CRCs of ``data``'s BLOCK-sized pieces, after checking that together they make ``crc``: one pass over the
-    data serves both the check and the stored block CRCs."""
-    blocks = [crc32c(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
+    data serves both the check and the stored block CRCs. ``blocks``: those CRCs as the caller computed them
+    (the chain member, which checks every write it accepts), so the data is not read again; only their count
+    and their fold into ``crc`` are checked."""
+    if blocks is None:
+        blocks = block_crcs(data)
+    elif len(blocks) != _nblocks(len(data)):
+        raise KvfsError(f"{what}: {len(blocks)} block CRCs for {len(data)} bytes", errno.EINVAL)
     if fold_crc(blocks, len(data)) != crc:
         raise ChecksumMismatch(f"{what}: data does not match its CRC32C")
     return blocks
@@ -198,6 +176,7 @@ class ChunkEngine:
         self._chunks: dict[int, dict[int, _Entry]] = {}
         self._pins: Counter[tuple[int, int]] = Counter()
         self._deferred: set[tuple[int, int]] = set()
+        self._undurable_frees: list[tuple[int, int]] = []  # slots dropped by commits not yet fsync'ed
         self._used = 0
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         self._lockfd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -382,6 +361,9 @@ class ChunkEngine:
         dst = self._files[cls]
         base = slot * dst.size
         end = offset + len(data)
+        if offset == 0 and end == new_len:  # the whole new version is the write (a full chunk, say): one pwrite
+            self._pwrite(dst.fd, data, base)
+            return array("I", data_blocks)
         crcs = array("I")
 
         def kind(b: int) -> int:
@@ -436,6 +418,7 @@ class ChunkEngine:
         chunk_size: int,
         aux: bytes = b"",
         force: bool = False,
+        block_crcs: list[int] | None = None,
     ) -> ChunkMeta:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
 
@@ -447,9 +430,11 @@ class ChunkEngine:
         ``chunk_size``, ENOSPC when full, StaleVersion if ``version`` is not newer than the
         committed one. A retransmit of the staged (or just committed) write returns its meta.
         A different pending version replaces the current one: the replication layer decides.
+        ``block_crcs``: the CRC32Cs of ``data``'s BLOCK pieces when the caller has already computed them
+        (:func:`kvfs.crc.block_crcs`); they must fold into ``crc``, and the data is not read again.
         """
         data = memoryview(data).cast("B")
-        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc)
+        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
         if offset < 0 or offset + len(data) > chunk_size or (full_replace and offset):
             raise KvfsError(
                 f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
@@ -485,7 +470,7 @@ class ChunkEngine:
             finally:
                 with self._lock:
                     self._unpin(old)
-            whole = crc if full_replace else fold_crc(blocks, new_len)
+            whole = crc if full_replace or (offset == 0 and len(data) == new_len) else fold_crc(blocks, new_len)
             staged = _Version(version, new_len, whole, blocks, cls, slot, origin, aux)
             return self._publish_pending(cid, staged, force)
         except BaseException as e:
@@ -512,24 +497,40 @@ class ChunkEngine:
                 entry.pending = v
                 return self._meta(cid, v, entry)
 
-    def _execute(self, *statements: tuple[str, tuple]) -> None:
-        """Run statements as one durable transaction; a full disk becomes ENOSPC with nothing changed."""
+    def _execute(self, *statements: tuple[str, tuple], durable: bool = True) -> None:
+        """Run statements as one transaction (the caller holds ``_db_lock``); a full disk becomes ENOSPC with
+        nothing changed. ``durable=False`` leaves out its fsync (see "Crash safety"); a durable one also makes
+        every earlier one durable, so the slots those dropped become free."""
+        lazy = self._fsync and not durable
         try:
-            self._db.execute("BEGIN IMMEDIATE")
+            if lazy:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                for sql, args in statements:
-                    self._db.execute(sql, args)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    for sql, args in statements:
+                        self._db.execute(sql, args)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            finally:
+                if lazy:
+                    self._db.execute("PRAGMA synchronous=FULL")
         except sqlite3.OperationalError as e:
             if "full" in str(e):
                 raise _enospc(f"metadata of target {self.root}: {e}") from e
             raise KvfsError(f"metadata of target {self.root}: {e}", errno.EIO) from e
+        if not lazy and self._undurable_frees:
+            with self._lock:
+                for cls, slot in self._undurable_frees:
+                    self._free(cls, slot)
+                self._undurable_frees.clear()
 
-    def commit(self, chunk_id: ChunkId, version: int) -> ChunkMeta:
-        """Make pending ``version`` the committed one (atomic); idempotent once it is committed."""
+    def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkMeta:
+        """Make pending ``version`` the committed one (atomic); idempotent once it is committed.
+        ``durable=False``: without an fsync of its own; a power loss may leave the version pending (see
+        "Crash safety")."""
         with self._db_lock:
             entry = self._entry(chunk_id)
             if entry is None or entry.pending is None or entry.pending.version != version:
@@ -540,9 +541,12 @@ class ChunkEngine:
             self._execute(
                 ("DELETE FROM versions WHERE inode=? AND idx=? AND pending=0", key),
                 ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key),
+                durable=durable,
             )
             with self._lock:
-                if entry.committed is not None:
+                if entry.committed is not None and self._fsync and not durable:
+                    self._undurable_frees.append((entry.committed.cls, entry.committed.slot))
+                elif entry.committed is not None:
                     self._free(entry.committed.cls, entry.committed.slot)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)

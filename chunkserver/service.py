@@ -49,6 +49,7 @@ from craq.member import (
 )
 from craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
 from craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.aio import Workers
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
 from kvfs.rpc import CallContext, RpcClient, RpcServer
@@ -133,14 +134,13 @@ class ChunkServer:
         self._waiters: dict[tuple[int, int], _Waiter] = {}
         self._chunk_queues: dict[tuple[int, ChunkId], collections.deque[Callable[[], Any]]] = {}
         self._nursery: trio.Nursery | None = None
+        self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
         self.registered = trio.Event()
 
     def register_handlers(self, server: RpcServer) -> None:
         for method, handler in (
             (p.WRITE, self._on_write),
-            (p.PEER, self._on_peer),
             (p.READ, self._on_read),
-            (p.VERSION_QUERY, self._on_version_query),
             (p.FETCH, self._on_fetch),
             (p.REMOVE, self._on_remove),
             (p.REMOVE_FILES, self._on_remove_files),
@@ -149,6 +149,10 @@ class ChunkServer:
             (p.CHUNK_STAT, self._on_chunk_stat),
         ):
             server.register(method, handler)
+        # In the connection's reader task, not a task each (two per write and replica): they never wait, they
+        # hand the message to the member (whose effects start tasks of their own) or answer from memory.
+        server.register(p.PEER, self._on_peer, inline=True)
+        server.register(p.VERSION_QUERY, self._on_version_query, inline=True)
 
     async def run(self) -> None:
         """Register, then heartbeat and tick until cancelled; every effect's task lives in this nursery."""
@@ -256,7 +260,8 @@ class ChunkServer:
             elif isinstance(effect, Commit):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
-                    lambda e=effect: trio.to_thread.run_sync(engine.commit, _engine_id(e.chunk_id), e.version),
+                    lambda e=effect: self._workers.run(
+                        lambda: engine.commit(_engine_id(e.chunk_id), e.version, durable=False)),
                 )
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
@@ -298,10 +303,11 @@ class ChunkServer:
     async def _persist(self, target_id: int, e: PersistPending) -> None:
         engine = self.engines[target_id]
         try:
-            meta = await trio.to_thread.run_sync(
+            meta = await self._workers.run(
                 lambda: engine.write_pending(
                     _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
+                    block_crcs=e.block_crcs,
                 )
             )
         except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version
@@ -326,7 +332,7 @@ class ChunkServer:
             data, msg = msg.data, msgspec.structs.replace(msg, data=None)
         try:
             address = self._address_of_target(target_id)
-            await self.rpc.call(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
+            await self.rpc.send(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 

@@ -10,7 +10,8 @@ Rules
    predecessor repairs it with a full-chunk replace.
 4. The last member of the write chain (serving targets, then at most one syncing target) commits first;
    the commit flows back as :class:`UpdateAck`; the head commits last and then replies to the client.
-5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch. Acks carry the
+5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch (by 64 KiB blocks,
+   whose CRCs ``PersistPending`` hands on so that the engine need not read the data again). Acks carry the
    sender's committed chunk CRC; a predecessor whose own CRC differs reports it to mgmtd (comparing each
    adjacent pair finds any divergence along the chain).
 6. A message whose chain version differs from ours is refused (clients get ``StaleRouting``/ESTALE, peers a
@@ -71,8 +72,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import msgspec
-from crc32c import crc32c
-
+from kvfs.crc import block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting
 
 from craq.messages import (
@@ -173,6 +173,8 @@ class PersistPending:
     full_replace: bool
     requests: dict[int, int]
     force: bool = False
+    #: CRC32Cs of ``data``'s 64 KiB blocks (:func:`kvfs.crc.block_crcs`), computed by the check of the data
+    block_crcs: list[int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -465,7 +467,8 @@ class ChainMember:
         """A client write at the head: start it, attach it to the same pending write, or queue it."""
         if self._write_chain()[0] != self.target_id:
             raise ProtocolError(f"write for chunk {w.chunk_id} at non-head target {self.target_id}")
-        if crc32c(w.data or b"") != w.crc:
+        blocks = block_crcs(w.data or b"")
+        if fold_crc(blocks, len(w.data or b"")) != w.crc:
             return [self._reply(w.chunk_id, (w.client_id, w.request_id), ChecksumMismatch("write data CRC"))]
         key = (w.client_id, w.request_id)
         if c.pending is not None and (c.pending.update.client_id, c.pending.update.request_id) == key:
@@ -478,14 +481,14 @@ class ChainMember:
             if all((q.client_id, q.request_id) != key for q in c.queue):
                 c.queue.append(w)
             return []
-        return self._start(c, w)
+        return self._start(c, w, blocks)
 
-    def _start(self, c: _Chunk, w: WriteReq) -> list[Effect]:
+    def _start(self, c: _Chunk, w: WriteReq, blocks: list[int]) -> list[Effect]:
         u = UpdateReq(
             self.chain_id, self.chain_version, w.chunk_id, self.target_id, c.committed + 1, w.offset, w.crc,
             client_id=w.client_id, request_id=w.request_id, data=w.data,
         )
-        effects = self._accept(c, u)
+        effects = self._accept(c, u, blocks)
         c.pending.waiters.append((w.client_id, w.request_id))
         return effects
 
@@ -501,7 +504,8 @@ class ChainMember:
         i = chain.index(self.target_id)
         if i == 0 or chain[i - 1] != u.from_target:
             raise ProtocolError(f"update from {u.from_target}, not the predecessor of {self.target_id}")
-        if crc32c(u.data or b"") != u.crc:
+        blocks = block_crcs(u.data or b"")
+        if fold_crc(blocks, len(u.data or b"")) != u.crc:
             return [self._ack(u, AckStatus.CHECKSUM, c)]
         p = c.pending
         if p is not None and not p.orphan and u.version == p.update.version:
@@ -519,16 +523,16 @@ class ChainMember:
         elif not (u.version == c.committed + 1 or (u.full_replace and (not c.fresh or u.version > c.committed))):
             return [self._ack(u, AckStatus.VERSION_GAP, c)]
         c.fresh = True
-        return self._accept(c, u)
+        return self._accept(c, u, blocks)
 
-    def _accept(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
+    def _accept(self, c: _Chunk, u: UpdateReq, blocks: list[int]) -> list[Effect]:
         requests = dict(u.requests if u.full_replace and u.requests is not None else c.requests)
         if u.client_id:
             requests[u.client_id] = max(requests.get(u.client_id, -1), u.request_id)
         c.pending = _Pending(u, requests)
         force = u.full_replace and u.version <= c.committed
         return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests),
-                               force)]
+                               force, blocks)]
 
     def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
         if e.version != c.pending.update.version:

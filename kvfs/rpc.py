@@ -457,6 +457,17 @@ class Connection:
         for slab in self._held.pop(request_id, ()):
             slab.release()
 
+    def _outgoing(self, data: Buffer | Sequence[Buffer] | None) -> tuple[list[Buffer], int]:
+        """The data section's buffers and length, once this connection may send a new request at all."""
+        if self._going_away:
+            raise ServiceUnavailable(f"{self.address} is shutting down; request not sent")
+        if self._closed is not None:
+            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
+        buffers, data_len = _data_buffers(data)
+        if data_len > self._limits.max_data:
+            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
+        return buffers, data_len
+
     async def call(
         self,
         method: Method,
@@ -466,15 +477,9 @@ class Connection:
         into: memoryview | None = None,
     ) -> tuple[Any, memoryview | None]:
         """Send one request and wait for its answer; the deadline is the caller's cancel scope."""
-        if self._going_away:
-            raise ServiceUnavailable(f"{self.address} is shutting down; call not sent")
-        if self._closed is not None:
-            raise ConnectionLost(f"connection to {self.address} is closed: {self._closed}")
+        buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
         body = wire.encode_body(request)
-        buffers, data_len = _data_buffers(data)
-        if data_len > self._limits.max_data:
-            raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
         link = self.rdma
         if link is not None and link.ready:
             plan = link.plan(data_len, None if into is None else len(into))
@@ -494,6 +499,15 @@ class Connection:
         if pending.error is not None:
             raise pending.error
         return pending.response, pending.data
+
+    async def send(self, method: Method, request: msgspec.Struct, *, data: Buffer | Sequence[Buffer] | None = None
+                   ) -> None:
+        """Send one request that is not answered (``Flags.ONEWAY``); returns once it is written or queued (once its
+        data is in the kernel, for a caller-owned buffer). Always over TCP: an RDMA transfer needs an answer."""
+        buffers, data_len = self._outgoing(data)
+        frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, wire.encode_body(request),
+                                  data_len, wire.Flags.ONEWAY)
+        await self._writer.put([frame, *buffers])
 
     async def _call_rdma(
         self,
@@ -753,6 +767,18 @@ class RpcClient(_TransportChoice):
                 await trio.sleep(min(0.05 * 2**attempt, 1.0))
         raise error
 
+    async def send(self, address: str, method: Method, request: msgspec.Struct, *,
+                   data: Buffer | Sequence[Buffer] | None = None, timeout: float | None = None) -> None:
+        """Send ``method`` at ``address`` without waiting for (or getting) an answer: a one-way message whose loss
+        the caller repairs itself. Not retried; ``timeout`` bounds connecting and handing the bytes to the kernel."""
+        deadline = self.call_timeout if timeout is None else timeout
+        try:
+            with trio.fail_after(deadline):
+                conn = await self.connection(address, check_peer=False)
+                await conn.send(method, request, data=data)
+        except trio.TooSlowError:
+            raise RpcTimeout(f"sending {method.name} to {address} took longer than {deadline:g}s") from None
+
 
 class _SetupFailed(KvfsError):
     pass
@@ -1004,6 +1030,9 @@ class RpcServer(_TransportChoice):
             wire.check_tag(self._signer, raw, header, body)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
+            oneway = bool(header.flags & wire.Flags.ONEWAY)
+            if oneway and header.flags & wire.Flags.RDMA:
+                raise ProtocolError("a one-way request cannot move its data by RDMA")
             buffers = None
             if header.flags & wire.Flags.RDMA:  # data by RDMA: descriptors of the client's slabs end the body
                 body, src, dst = rdma.split_request(body, self._limits.max_data)
@@ -1030,7 +1059,7 @@ class RpcServer(_TransportChoice):
                 limiter.acquire_on_behalf_of_nowait(header.request_id)
             except trio.WouldBlock:
                 await limiter.acquire_on_behalf_of(header.request_id)
-            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers)
+            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway)
             if buffers is None and (failure is not None or header.method in self._inline):
                 await self._dispatch(*args)
             else:
@@ -1048,6 +1077,7 @@ class RpcServer(_TransportChoice):
         limiter: trio.CapacityLimiter,
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
+        oneway: bool = False,
     ) -> None:
         try:
             frames: list[Buffer]
@@ -1069,7 +1099,9 @@ class RpcServer(_TransportChoice):
                 self._running += 1
                 try:
                     result = await handler(request, data, CallContext(peer, method, conn))
-                    if buffers is not None and buffers[1] is not None:
+                    if oneway:
+                        frames = []
+                    elif buffers is not None and buffers[1] is not None:
                         assert conn is not None
                         frames = await self._rdma_response(conn, request_id, method, result, buffers[1])
                     else:
@@ -1086,6 +1118,11 @@ class RpcServer(_TransportChoice):
                         self._idle = trio.Event()
                 RPC_SECONDS.labels(method.name).observe(trio.current_time() - started)
                 RPC_CALLS.labels(method.name, failure.errno if failure else 0).inc()
+            if oneway:
+                if failure is not None:
+                    self.log.debug("one-way %s from %s failed: %s", entry[0].name if entry else "call", peer,
+                                   failure.message)
+                return
             if failure is not None:
                 body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
                 frames = [wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body)]

@@ -52,6 +52,9 @@ class Flags(enum.IntFlag):
     #: An ERROR frame (request id 0, errno ESHUTDOWN) telling a client the server is going away: every request it
     #: read has been answered, later ones are refused unrun, and the client must send no more on this connection.
     GOAWAY = 4
+    #: A REQUEST its sender wants no answer to: the server runs the handler and sends nothing back (a failure
+    #: is logged there). For messages whose loss the sender repairs itself, e.g. by retransmitting.
+    ONEWAY = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +135,7 @@ def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
         ftype = FrameType(ftype)
     except ValueError:
         raise ProtocolError(f"unknown frame type {ftype}") from None
-    if flags & ~int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY):
+    if flags & ~int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY):
         raise ProtocolError(f"unknown flags {flags:#x}")
     if body_len > limits.max_body:
         raise ProtocolError(f"body of {body_len} bytes exceeds the limit of {limits.max_body}")

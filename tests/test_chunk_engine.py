@@ -175,6 +175,24 @@ def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
         assert [m.chunk_id.index for m in e.list_chunks(4)] == [0] and e.space()[1] == used
 
 
+def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_path: Path) -> None:
+    """A commit without an fsync may be undone by a power loss, and then its chunk's old committed row names the
+    old slot again: that slot is not written until a durable transaction has made the commit durable too."""
+    d, f = ChunkId(8, 0), ChunkId(9, 0)
+    with ChunkEngine(tmp_path / "t") as e:
+        put(e, C, 1, 0, b"a" * 100)
+        first = e.local_location(C)[1]
+        e.write_pending(C, 2, 0, b"b" * 100, crc32c(b"b" * 100), chunk_size=CS)
+        e.commit(C, 2, durable=False)
+        assert content(e, C) == b"b" * 100
+        put(e, d, 1, 0, b"c" * 100)  # its data goes to a slot before its own (durable) transaction runs
+        assert e.local_location(d)[1] != first
+        put(e, f, 1, 0, b"d" * 100)  # that transaction made the commit durable: the slot is free again
+        assert e.local_location(f)[1] == first
+    with ChunkEngine(tmp_path / "t") as e:
+        assert [content(e, x) for x in (C, d, f)] == [b"b" * 100, b"c" * 100, b"d" * 100]
+
+
 def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
     """A read racing with commits must never see a freed slot reused by a newer version."""
     put(eng, C, 1, 0, bytes([1]) * 8 * BLOCK)

@@ -315,6 +315,29 @@ async def test_inline_handlers_answer_in_order_and_others_still_overlap(nursery,
     assert done == ["inline", "slow"]
 
 
+async def test_one_way_messages_run_the_handler_and_get_no_answer(nursery, client):
+    """``send`` (Flags.ONEWAY): the handler runs with the data, in order with inline handling; nothing comes back,
+    not even for a failure, and the connection goes on serving calls."""
+    got: list[tuple[str, int]] = []
+
+    async def record(request: EchoRequest, data: memoryview | None, ctx) -> object:
+        if request.fail_errno:
+            raise KvfsError("refused", request.fail_errno)
+        got.append((request.text, 0 if data is None else len(data)))
+        return EchoResponse(request.text, 0)
+
+    srv = RpcServer(TOKEN, name="test-oneway")
+    srv.register(ECHO, echo)
+    srv.register(ECHO_ONCE, record, inline=True)
+    address = f"127.0.0.1:{await nursery.start(srv.serve, '127.0.0.1', 0)}"
+    await client.send(address, ECHO_ONCE, EchoRequest("a"), data=b"x" * 100_000)
+    await client.send(address, ECHO_ONCE, EchoRequest("bad", fail_errno=errno.EINVAL))
+    await client.send(address, ECHO_ONCE, EchoRequest("b"))
+    assert await client.call(address, ECHO, EchoRequest("after")) == EchoResponse("after", 0)
+    assert got == [("a", 100_000), ("b", 0)]
+    assert not (await client.connection(address))._pending
+
+
 async def test_writer_holds_caller_buffers_until_sent_and_keeps_frame_order():
     """A peer that does not read fills the socket: frames queue in order, and a frame with a caller-owned
     buffer returns only once its bytes are in the kernel (so the caller may reuse the buffer)."""

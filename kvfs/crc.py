@@ -1,0 +1,58 @@
+"""CRC32C by 64 KiB blocks: what the chunk engine stores per version and what a chain member checks a write with.
+
+A write's bytes are checked once per replica: the chain member (``craq.member``) computes the CRCs of the
+write's ``BLOCK``-sized pieces, folds them into the CRC of the whole write to check it against the client's, and
+hands the block CRCs on to the engine, which stores them with the version instead of reading the bytes again.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from crc32c import crc32c
+
+BLOCK = 64 * 1024
+"""Bytes covered by one stored CRC32C."""
+_ZEROS = memoryview(bytes(BLOCK))
+
+
+def block_crcs(data: bytes | bytearray | memoryview) -> list[int]:
+    """CRC32Cs of ``data``'s BLOCK-sized pieces (the last may be short).
+
+    The GIL stays held: releasing it around each 4 us block let a thread and the event loop trade it 64 times
+    per 4 MiB, a futex hand-off each time."""
+    data = memoryview(data).cast("B")
+    return [crc32c(data[i : i + BLOCK], gil_release_mode=0) for i in range(0, len(data), BLOCK)]
+
+
+def _shift_tables(n: int) -> tuple[list[int], ...]:
+    """Byte tables of the linear map ``a -> crc32c(zeros(n), value=a) ^ crc32c(zeros(n))``.
+
+    CRC32C is affine in its input, so ``crc(A + B) == M(crc(A)) ^ crc(B)`` where ``M`` is this map for
+    ``n = len(B)``: folding block CRCs costs four table lookups per block instead of a pass over zeros."""
+    zero = crc32c(_ZEROS[:n])
+    basis = [crc32c(_ZEROS[:n], value=1 << i) ^ zero for i in range(32)]
+    tables = []
+    for k in range(4):
+        table = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            table[b] = table[b ^ low] ^ basis[8 * k + low.bit_length() - 1]
+        tables.append(table)
+    return tuple(tables)
+
+
+_T0, _T1, _T2, _T3 = _shift_tables(BLOCK)
+
+
+def fold_crc(blocks: array | list[int], length: int) -> int:
+    """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`)."""
+    total = blocks[0] if len(blocks) else 0
+    for i in range(1, len(blocks)):
+        n = min(BLOCK, length - i * BLOCK)  # only the final piece may be short: shift by its own length
+        if n == BLOCK:
+            shifted = _T0[total & 0xFF] ^ _T1[(total >> 8) & 0xFF] ^ _T2[(total >> 16) & 0xFF] ^ _T3[total >> 24]
+        else:
+            shifted = crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
+        total = shifted ^ blocks[i]
+    return total
