@@ -162,7 +162,7 @@ class KvfsOperations(pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
         negative_timeout: float = 1.0,
-        write_buffer: int = 16 * MIB,
+        write_buffer: int = 64 * MIB,
         read_parallel: int = 8,
         write_parallel: int = 16,
         readdir_page: int = 512,
@@ -811,8 +811,10 @@ class KvfsOperations(pyfuse3.Operations):
             else:
                 if not h.buf_len:
                     h.buf_off = off
-                    if len(h.buf) < self.write_buffer:
-                        h.buf = bytearray(self.write_buffer)
+                if len(h.buf) < h.buf_len + n:  # grown as a file's writes go on: small files keep small buffers
+                    grown = bytearray(min(max(h.buf_len + n, 2 * len(h.buf), MIB), self.write_buffer))
+                    memoryview(grown)[:h.buf_len] = memoryview(h.buf)[:h.buf_len]
+                    h.buf = grown
                 memoryview(h.buf)[h.buf_len:h.buf_len + n] = buf
                 h.buf_len += n
                 st.size = max(st.size, off + n)
