@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from harness import Processes
 
+from meta.kv import SqliteDatabase
+
 
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[Processes]:
@@ -16,3 +18,11 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[SqliteDatabase]:
+    """A metadata KV store (SQLite) of the test's own."""
+    database = SqliteDatabase(str(tmp_path / "meta.db"))
+    yield database
+    database.close()

@@ -14,7 +14,6 @@ from meta.chunks import MemoryChunkRemover
 from meta.delegation import DelegationHeld
 from meta.feed import ORIGIN
 from meta.fsck import check
-from meta.kv import SqliteDatabase
 from meta.store import ID_BLOCK, MetaStore, child_attr
 from meta.types import ROOT, Caller, CreateOp, Layout, UnlinkOp
 
@@ -37,13 +36,6 @@ class Clock:
 @pytest.fixture
 def clock():
     return Clock()
-
-
-@pytest.fixture
-def db(tmp_path):
-    database = SqliteDatabase(str(tmp_path / "meta.db"))
-    yield database
-    database.close()
 
 
 @pytest.fixture

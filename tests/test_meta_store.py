@@ -12,7 +12,6 @@ from kvfs.errors import KvfsError
 from meta import store as store_mod
 from meta.chunks import MemoryChunkRemover
 from meta.fsck import check
-from meta.kv import SqliteDatabase
 from meta.kv.keys import pack
 from meta.placement import chunk_chain, permutation, splitmix64
 from meta.store import (
@@ -29,13 +28,6 @@ from meta.types import ROOT, Caller, Layout
 ALICE = Caller(1000, 1000)
 BOB = Caller(1001, 1001)
 CAROL = Caller(1002, 1002, (1000,))  # in alice's group
-
-
-@pytest.fixture
-def db(tmp_path):
-    database = SqliteDatabase(str(tmp_path / "meta.db"))
-    yield database
-    database.close()
 
 
 @pytest.fixture
@@ -283,6 +275,7 @@ def test_rename_replaces_and_type_errors(ms, remover):
     ms.rename(ALICE, ROOT_INO, b"f", ROOT_INO, b"g")
     assert ms.lookup(ALICE, ROOT_INO, b"g").ino == f.ino
     assert ms.gc_once() == 1 and remover.removed == []  # never opened for writing: no chunk servers to ask
+    fails(errno.ENOENT, ms.getattr, ROOT, g.ino)  # the replaced file is collected all the same
     nlink = ms.getattr(ROOT, ROOT_INO).nlink
     ms.rename(ALICE, ROOT_INO, b"d", ROOT_INO, b"empty")
     assert ms.getattr(ROOT, ROOT_INO).nlink == nlink - 1
