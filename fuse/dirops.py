@@ -37,6 +37,7 @@ import msgspec
 import pyfuse3
 import trio
 
+from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from meta.store import ID_BLOCK, NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
 from meta.types import Attr, Caller, CreateOp, Delegated, DirOp, Layout, Opened, UnlinkOp
 
@@ -49,6 +50,7 @@ USE_FRACTION = 0.6  # of a grant's lease, from the sending of the call that gran
 REFILL_AT = ID_BLOCK // 4  # free inode ids left when another block is asked for
 BATCH = 512  # changes per apply_delegated call
 LINGER = 0.02  # seconds the first change of a batch waits for company, unless a call waits for it
+SEND_FOR = 60.0  # seconds a batch is sent again while meta cannot be reached (meta restarts)
 BACKOFF = (2.0, 60.0)  # seconds before a recalled or refused directory is asked for again: first, most
 COUNTED = 4096  # directories whose synchronous changes are counted (all are forgotten when more come)
 
@@ -371,7 +373,14 @@ class DirOps:
     async def _send(self, held: _Held, batch: list[DirOp]) -> None:
         sent = trio.current_time()
         try:
-            results = await self.meta.apply_delegated(self._me, held.ino, held.epoch, batch)
+            while True:  # meta applies a batch sent again once (MetaStore.apply_delegated)
+                try:
+                    results = await self.meta.apply_delegated(self._me, held.ino, held.epoch, batch)
+                    break
+                except (ServiceUnavailable, ConnectionLost, RpcTimeout):
+                    if trio.current_time() - sent > SEND_FOR:  # a restart of meta takes seconds, not this long
+                        raise
+                    await trio.sleep(0.5)
         except Exception as exc:  # noqa: BLE001 - lost: every change of the batch is reported below
             results = [getattr(exc, "errno", None) or -1] * len(batch)
             log.error("directory %d: %d changes this mount had answered could not be applied: %r",

@@ -125,7 +125,7 @@ class LocalMeta:
             try:
                 return await trio.to_thread.run_sync(functools.partial(fn, caller, *args, **kwargs))
             except DelegationHeld as held:  # as the service does: ask the holder to give it back, then retry
-                await trio.to_thread.run_sync(self.store.recall, held.directory)
+                await trio.to_thread.run_sync(self.store.answer_held, held)
                 raise
             finally:
                 ORIGIN.reset(token)

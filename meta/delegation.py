@@ -10,14 +10,18 @@ directory delegations and CephFS's asynchronous directory operations do. The rul
    ``DELEGATION_SECONDS`` unless the holder's batches renew them.
 2. **Nobody else sees the directory while it is held.** Every operation of another client that reads or changes
    the directory's entries or attributes finds the record and fails with :class:`DelegationHeld` before it
-   reads anything. The service then publishes a *recall* in the change feed (``Change.recalls``) and answers
-   EAGAIN; the caller retries (:func:`retry_while_recalled`). The holder, which follows the feed, sends what it
+   reads anything. The service then publishes a *recall* in the change feed (``Change.recalls``), or breaks a
+   lapsed grant (rule 3), and answers EAGAIN; the caller retries (:func:`retry_while_recalled`). The holder, which follows the feed, sends what it
    has not sent yet and gives the directory back (``undelegate``); the retry then sees every change the holder
    answered, in the holder's order. A holder that is gone is waited out until its grant lapses.
-3. **A lapsed grant applies nothing.** A batch names the grant's epoch; meta refuses it (ENOLCK) unless the
-   holder still holds that epoch, unexpired. The holder stops answering locally well before its grant can
-   lapse (it counts from when it sent the call that last renewed it), so only a holder cut off from meta for
-   longer than that can lose changes it answered, and it logs each one.
+3. **A lapsed grant applies nothing once another client has used the directory.** A batch names the grant's
+   epoch; meta refuses it (ENOLCK) unless the holder still holds that epoch. Another client that finds a lapsed
+   grant breaks it first (``MetaStore.break_lapsed``, its own transaction) and then goes on, so the holder's
+   late changes can never appear behind what that client saw. A lapsed grant nobody touched still takes the
+   holder's batch (a meta restart longer than the lease loses nothing). The holder stops answering locally
+   well before its grant can lapse (it counts from when it sent the call that last renewed it), so only a holder
+   cut off from meta for longer than that while others use the directory loses changes it answered, and it
+   logs each one.
 4. **The holder chooses what the answer showed** (inode ids from blocks meta handed to it, times, placement
    seeds, write sessions) and meta applies exactly that, after the same permission checks as ever: both sides
    build a new file's attributes with ``meta.store.child_attr``. Meta accepts only ids from the grant's blocks.
@@ -54,13 +58,18 @@ class DelegationHeld(KvfsError):
 
     default_errno = errno.EAGAIN
 
-    def __init__(self, directory: int, until_ns: int = 0) -> None:
+    def __init__(self, directory: int, until_ns: int = 0, *, lapsed: bool = False) -> None:
         super().__init__(f"directory {directory} is delegated to another client; recalled, retry", errno.EAGAIN)
         self.directory = directory
         self.until_ns = until_ns
+        self.lapsed = lapsed  # the grant has lapsed: it is broken (not recalled) before the retry
 
     def __reduce__(self):
-        return (type(self), (self.directory, self.until_ns))
+        return (_rebuild_held, (self.directory, self.until_ns, self.lapsed))
+
+
+def _rebuild_held(directory: int, until_ns: int, lapsed: bool) -> DelegationHeld:
+    return DelegationHeld(directory, until_ns, lapsed=lapsed)
 
 
 async def retry_while_recalled(call: Callable[[], Awaitable[T]], *, wait: float = RECALL_WAIT) -> T:

@@ -62,7 +62,7 @@ class MetaService:
             else:
                 value = await trio.to_thread.run_sync(call)
         except DelegationHeld as held:  # the caller retries (EAGAIN) once the holder has given the directory back
-            await self._recall(held.directory)
+            await self._recall(held)
             raise
         finally:
             ORIGIN.reset(token)
@@ -70,16 +70,18 @@ class MetaService:
                 self._watchers.changed(by=request.caller.client)
         return op.method.response(value)
 
-    async def _recall(self, directory: int) -> None:
-        """Publish a recall of ``directory`` unless one went out in the last ``RECALL_REPEAT`` seconds (callers
-        retry every few milliseconds; a holder that missed the first record, its feed lapsing, gets another)."""
+    async def _recall(self, held: DelegationHeld) -> None:
+        """Break a lapsed grant, or publish a recall of a live one unless one went out in the last ``RECALL_REPEAT``
+        seconds (callers retry every few milliseconds; a holder that missed the first record gets another)."""
         now = trio.current_time()
-        if now - self._recalled.get(directory, -RECALL_REPEAT) < RECALL_REPEAT:
-            return
-        self._recalled[directory] = now
-        if len(self._recalled) > 4096:
-            self._recalled = {d: t for d, t in self._recalled.items() if now - t < RECALL_REPEAT}
-        call = functools.partial(self.store.recall, directory)
+        directory = held.directory
+        if not held.lapsed:
+            if now - self._recalled.get(directory, -RECALL_REPEAT) < RECALL_REPEAT:
+                return
+            self._recalled[directory] = now
+            if len(self._recalled) > 4096:
+                self._recalled = {d: t for d, t in self._recalled.items() if now - t < RECALL_REPEAT}
+        call = functools.partial(self.store.answer_held, held)
         if self.store.db.inline:
             call()
         else:

@@ -261,9 +261,11 @@ class MetaStore:
         if raw is None:
             return
         held = _dec_delegation.decode(raw)
-        if (caller.client and held.client == caller.client) or held.expires_ns <= self._clock():
+        if caller.client and held.client == caller.client:
             return
-        raise DelegationHeld(directory, held.expires_ns)
+        # a lapsed one is broken first (break_lapsed, its own transaction), so its holder's late changes cannot
+        # follow what this caller sees
+        raise DelegationHeld(directory, held.expires_ns, lapsed=held.expires_ns <= self._clock())
 
     def _now(self) -> int:
         """The time a change happens at: the holder's, for a delegated change (see :meth:`apply_delegated`)."""
@@ -1013,7 +1015,7 @@ class MetaStore:
         now = self._clock()
         lease = self._delegation_ns / 1e9
         if epoch:
-            if held is None or held.client != caller.client or held.epoch != epoch or held.expires_ns <= now:
+            if held is None or held.client != caller.client or held.epoch != epoch:
                 return Delegated(False)
             ids = self._reserve_block(tr, random.randrange(ID_SHARDS))
             blocks = (held.blocks + [ids])[-BLOCKS_KEPT:]
@@ -1045,8 +1047,10 @@ class MetaStore:
 
     def apply_delegated(self, caller: Caller, directory: int, epoch: int, ops: list[DirOp]) -> list[int]:
         """Apply, in order and in one transaction, changes the calling client made in ``directory`` under grant
-        ``epoch`` and already answered; renews the grant. Returns an errno per change (0: applied); a change
-        that fails changes nothing. ENOLCK, with nothing applied, when the client no longer holds that grant."""
+        ``epoch`` and already answered; renews the grant. Returns an errno per change (0: applied, also by an
+        earlier try of the same batch, so a client may send a batch again after losing an answer); a change that
+        fails changes nothing. ENOLCK, with nothing applied, when the client no longer holds that grant: it gave it
+        back, or it lapsed and another client has used the directory since (which broke it)."""
         if not caller.client:
             raise _err(errno.EINVAL, "a delegation needs a client id")
         return self._write(self._apply_delegated, caller, directory, epoch, ops)
@@ -1057,8 +1061,9 @@ class MetaStore:
         raw = tr.get(key)
         held = None if raw is None else _dec_delegation.decode(raw)
         now = self._clock()
-        if held is None or held.client != caller.client or held.epoch != epoch or held.expires_ns <= now:
-            raise _err(errno.ENOLCK, f"the delegation of directory {directory} has lapsed or was given back")
+        if held is None or held.client != caller.client or held.epoch != epoch:
+            raise _err(errno.ENOLCK, f"the delegation of directory {directory} was given back, or lapsed and "
+                                     f"another client used the directory since")
         tr.set(key, _enc.encode(Delegation(held.client, epoch, now + self._delegation_ns, held.blocks)))
         pdir = self._live(tr, directory)  # loaded once and stored once for the whole batch
         results = []
@@ -1066,11 +1071,12 @@ class MetaStore:
             who = msgspec.structs.replace(op.who, client=caller.client)  # its sessions live on the holder's lease
             token = _NOW.set(op.time_ns)
             try:
+                entry = self._entry(tr, directory, _check_name(op.name))
                 if isinstance(op, CreateOp):
-                    self._delegated_create(tr, who, pdir, held, op)
-                else:
-                    entry = self._entry(tr, directory, _check_name(op.name))
-                    if entry is None or entry.ino != op.ino:
+                    if entry is None or entry.ino != op.ino:  # else applied by an earlier try of this batch
+                        self._delegated_create(tr, who, pdir, held, op)
+                elif entry is not None:  # none: removed by an earlier try of this batch
+                    if entry.ino != op.ino:
                         raise _err(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
                     self._remove(tr, who, directory, op.name, False, parent_inode=pdir)
                 results.append(0)
@@ -1083,8 +1089,13 @@ class MetaStore:
         return results
 
     def _delegated_create(self, tr: Transaction, who: Caller, pdir: Inode, held: Delegation, op: CreateOp) -> None:
-        if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks) or tr.get(schema.inode(op.ino)):
-            raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation or is in use")
+        if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks):
+            raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation")
+        raw = tr.get(schema.inode(op.ino))
+        if raw is not None:
+            if _dec_inode.decode(raw).attr.nlink == 0:
+                return  # made and removed again by an earlier try of this batch
+            raise _err(errno.EINVAL, f"inode id {op.ino} is in use")
         name = _check_name(op.name)
         if msgspec.structs.replace(pdir.layout or self._root_layout, seed=op.layout.seed) != op.layout:
             raise _err(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
@@ -1096,6 +1107,22 @@ class MetaStore:
     def recall(self, directory: int) -> None:
         """Ask the holder of ``directory`` to give it back: a feed record it follows (meta/delegation.py)."""
         self.db.publish(Change(ORIGIN.get(), self._clock(), [], [], [directory]))
+
+    def break_lapsed(self, directory: int) -> None:
+        """End ``directory``'s grant if it has lapsed: from now on its holder can apply nothing more under it."""
+        def fn(tr: Transaction) -> None:
+            raw = tr.get(schema.delegation(directory))
+            if raw is not None and _dec_delegation.decode(raw).expires_ns <= self._clock():
+                tr.clear(schema.delegation(directory))
+
+        self.db.run(fn)
+
+    def answer_held(self, held: DelegationHeld) -> None:
+        """What meta does for a caller that found ``held``: break a lapsed grant, or recall a live one."""
+        if held.lapsed:
+            self.break_lapsed(held.directory)
+        else:
+            self.recall(held.directory)
 
     # ------------------------------------------------------------------ client leases -----
     def renew_client(self, caller: Caller) -> float:

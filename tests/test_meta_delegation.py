@@ -82,10 +82,17 @@ def test_a_grant_lapses_without_renewal(ms, d, clock):
     renewed = ms.delegate(A, d, grant.epoch)
     assert renewed.granted and renewed.ids != grant.ids and renewed.names is None
     clock.advance(LEASE - 1)
-    with pytest.raises(DelegationHeld):
+    with pytest.raises(DelegationHeld) as held:
         ms.lookup(B, d, b"x")
+    assert not held.value.lapsed  # live: recalled
     clock.advance(2)
-    with pytest.raises(KvfsError) as info:  # lapsed: another client goes ahead...
+    assert ms.apply_delegated(A, d, grant.epoch, []) == []  # lapsed, but nobody used the directory: still good
+    clock.advance(LEASE)
+    with pytest.raises(DelegationHeld) as held:
+        ms.lookup(B, d, b"x")
+    assert held.value.lapsed
+    ms.answer_held(held.value)  # what the service does: the lapsed grant is broken...
+    with pytest.raises(KvfsError) as info:  # ...the other client goes ahead...
         ms.lookup(B, d, b"x")
     assert info.value.errno == errno.ENOENT
     assert not ms.delegate(A, d, grant.epoch).granted  # ...and the old grant can neither be renewed
@@ -93,6 +100,14 @@ def test_a_grant_lapses_without_renewal(ms, d, clock):
         ms.apply_delegated(A, d, grant.epoch, [create_op(grant, b"late", 0, clock)])
     assert info.value.errno == errno.ENOLCK
     assert ms.readdir(B, d).entries == []
+
+
+def test_a_batch_sent_again_after_a_lost_answer_applies_once(ms, d, clock):
+    grant = ms.delegate(A, d)
+    batch = [create_op(grant, b"a", 0, clock), create_op(grant, b"b", 1, clock), UnlinkOp(A, b"a", grant.ids, clock())]
+    assert ms.apply_delegated(A, d, grant.epoch, batch) == [0, 0, 0]
+    assert ms.apply_delegated(A, d, grant.epoch, batch) == [0, 0, 0]  # the same changes, already there
+    assert [e.name for e in ms.readdir(A, d).entries] == [b"b"]
 
 
 def test_applied_creates_match_what_the_holder_answered(ms, db, d, clock):
