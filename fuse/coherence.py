@@ -106,13 +106,14 @@ class Coherence:
         while len(self._listings) > LISTINGS:
             self._listings.popitem(last=False)
 
-    def begin_listing(self, ino: int) -> object | None:
+    def begin_listing(self, ino: int, *, force: bool = False) -> object | None:
         """Start reading ``ino``'s listing from meta; None if it is held or being read already, if the feed is not
         live, or if another client changed the directory in the last ``LISTING_QUIET`` seconds (a directory
-        several clients fill would have its listing dropped again at once)."""
+        several clients fill would have its listing dropped again at once). ``force``: read it anyway unless the
+        feed is not live (a delegation's grant carries the listing: fuse/dirops.py); it replaces the one held."""
         changed = self._foreign.get(ino)
-        if not self.live or ino in self._listings or ino in self._reading or (
-                changed is not None and time.monotonic() - changed < LISTING_QUIET):
+        if not self.live or not force and (ino in self._listings or ino in self._reading or (
+                changed is not None and time.monotonic() - changed < LISTING_QUIET)):
             return None
         token = object()
         self._reading[ino] = (token, [])

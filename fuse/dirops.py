@@ -3,8 +3,8 @@
 A program that makes files one after another waits a metadata round trip per file; in a directory this mount
 holds, it does not. The mount asks for a directory's delegation after a few synchronous creates or removals there
 (:meth:`DirOps.want`), then answers ``create`` of a free name and ``unlink`` of a file it made under the grant
-from what it knows: the grant's complete listing kept current by its own changes, the directory's attributes,
-and inode ids meta handed to it. The changes queue in order and one task sends them in batches
+from what it knows: the grant's complete listing (kept, and kept current by the mount's own changes, as any
+complete listing is: fuse/coherence.py), the directory's attributes, and inode ids meta handed to it. The changes queue in order and one task sends them in batches
 (``meta.apply_delegated``), so a burst of creates costs meta one transaction per batch.
 
 Ordering and visibility:
@@ -63,7 +63,6 @@ class _Held:
     epoch: int
     lease: float
     deadline: float  # trio time after which nothing is answered here any more
-    names: set[bytes]  # every name in the directory
     own: dict[bytes, tuple[int, int]]  # name -> (inode, owner uid) of files made under this grant
     attr: Attr | None  # the directory's attributes after our changes; None while unknown
     layout: Layout  # what its new files get
@@ -82,8 +81,8 @@ class DirOps:
         self.nursery: trio.Nursery | None = None
         self._me = Caller(os.getuid(), os.getgid(), client=client_id)
         self._held: dict[int, _Held] = {}
-        # directory -> this mount's own changes there while its grant is being asked for (None: the ask is void)
-        self._asking: dict[int, list[tuple[bool, bytes]] | None] = {}
+        # directory -> [the listing read's token (Coherence.begin_listing), still wanted, our changes made meanwhile]
+        self._asking: dict[int, list[Any]] = {}
         self._counts: dict[int, int] = {}
         self._backoff: dict[int, tuple[float, float]] = {}  # directory -> (not before, next backoff)
         self._queue: collections.deque[tuple[_Held, DirOp]] = collections.deque()
@@ -105,16 +104,12 @@ class DirOps:
             return None
         return held
 
-    def absent(self, parent: int, name: bytes) -> bool:
-        """True when ``name`` is certainly not in ``parent`` (a directory this mount holds)."""
-        held = self._usable(parent)
-        return held is not None and name not in held.names and name not in (b".", b"..")
-
     def creatable(self, parent: int, name: bytes, caller: Caller) -> _Held | None:
-        """The held directory if a create of ``name`` there by ``caller`` can be answered here."""
+        """The held directory if a create of ``name`` there by ``caller`` can be answered here: a name the
+        directory's listing (the grant's, kept by fuse/coherence.py) does not have."""
         held = self._usable(parent)
-        if (held is None or held.attr is None or not held.ids or name in held.names or len(name) > NAME_MAX
-                or not check_access(caller, held.attr, W_OK | X_OK)):
+        if (held is None or held.attr is None or not held.ids or len(name) > NAME_MAX
+                or not self.coherence.absent(parent, name) or not check_access(caller, held.attr, W_OK | X_OK)):
             return None
         return held
 
@@ -126,7 +121,7 @@ class DirOps:
         attr, layout = child_attr(caller, held.attr, held.layout, stat.S_IFREG | (mode & 0o7777), ino, now)
         assert layout is not None
         session = secrets.randbits(63) if flags & os.O_ACCMODE != os.O_RDONLY else None
-        held.names.add(name)
+        self.coherence.named(held.ino, name)
         held.own[name] = (ino, attr.uid)
         op = CreateOp(caller, name, ino, mode & 0o7777, flags, now, layout, session)
         if session is not None:
@@ -150,7 +145,7 @@ class DirOps:
     def unlink(self, held: _Held, caller: Caller, name: bytes) -> Attr:
         """Answer an unlink (after :meth:`removable`); returns the directory's new attributes."""
         ino, _ = held.own.pop(name)
-        held.names.discard(name)
+        self.coherence.unnamed(held.ino, name)
         now = time.time_ns()
         self._enqueue(held, UnlinkOp(caller, name, ino, now))
         return self._touched(held, now)
@@ -181,14 +176,14 @@ class DirOps:
         self._note(parent, False, name)
 
     def _note(self, parent: int, made: bool, name: bytes) -> None:
+        """(The listing follows it in fuse/coherence.py.)"""
         held = self._held.get(parent)
         if held is not None:
-            (held.names.add if made else held.names.discard)(name)
             held.own.pop(name, None)
             held.attr = None  # meta's answer says what it is now: see dir_attr
-        log_ = self._asking.get(parent)
-        if log_ is not None:
-            log_.append((made, name))
+        asking = self._asking.get(parent)
+        if asking is not None:
+            asking[2] = True
 
     def dir_attr(self, ino: int, attr: Attr) -> None:
         """Meta's attributes of directory ``ino`` (after all our changes so far: calls wait for the queue)."""
@@ -214,8 +209,12 @@ class DirOps:
         held = self._held.get(parent)
         if held is not None:
             self._drop(held, "a change of ours there has an unknown outcome")
-        if parent in self._asking:
-            self._asking[parent] = None
+        self._void_ask(parent)
+
+    def _void_ask(self, parent: int) -> None:
+        asking = self._asking.get(parent)
+        if asking is not None:
+            asking[1] = False
 
     def want(self, parent: int, caller: Caller) -> None:
         """This mount made or removed a name in ``parent`` synchronously; after a few, ask for its delegation."""
@@ -227,8 +226,10 @@ class DirOps:
         count = self._counts[parent] = self._counts.get(parent, 0) + 1
         if count >= WANT_AFTER:
             del self._counts[parent]
-            self._asking[parent] = []
-            self._start(self._ask, parent, caller)
+            token = self.coherence.begin_listing(parent, force=True)  # the grant's names become its listing
+            if token is not None:
+                self._asking[parent] = [token, True, False]
+                self._start(self._ask, parent, caller)
 
     # ------------------------------------------------------------------ grants ----------
     def _start(self, fn: Any, *args: Any) -> None:
@@ -243,22 +244,21 @@ class DirOps:
             grant = await self.meta.delegate(caller, parent)
         except Exception as exc:  # noqa: BLE001 - only an optimisation failed: changes there stay synchronous
             log.debug("asking for the delegation of directory %d: %r", parent, exc)
-        replay = self._asking.pop(parent, None)
-        if grant is None or not grant.granted:
+        token, wanted, changed = self._asking.pop(parent)
+        granted = grant is not None and grant.granted
+        # The listing counts only if nothing voided it (another client's change, a lapse: fuse/coherence.py); our
+        # own changes made while we asked are replayed on top of the grant's names there.
+        kept = self.coherence.end_listing(parent, token, grant.names if granted and wanted else None)
+        if not kept:
             self._back_off(parent)
+            if granted:
+                self._start(self._give_back, [parent])
             return
-        if replay is None or not self.coherence.live:  # recalled, or unsure, while we asked
-            self._back_off(parent)
-            self._start(self._give_back, [parent])
-            return
-        assert grant.names is not None and grant.layout is not None
-        names = set(grant.names)
-        for made, name in replay:  # our own changes made while we asked: the grant may or may not show them
-            (names.add if made else names.discard)(name)
+        assert grant is not None and grant.names is not None and grant.layout is not None
         ids = list(range(grant.ids + ID_BLOCK - 1, grant.ids - 1, -1))
-        self._held[parent] = _Held(parent, grant.epoch, grant.lease, sent + grant.lease * USE_FRACTION, names, {},
-                                   None if replay else grant.attr, grant.layout, ids)
-        log.debug("directory %d is delegated to this mount (%d names)", parent, len(names))
+        self._held[parent] = _Held(parent, grant.epoch, grant.lease, sent + grant.lease * USE_FRACTION, {},
+                                   None if changed else grant.attr, grant.layout, ids)
+        log.debug("directory %d is delegated to this mount (%d names)", parent, len(grant.names))
 
     async def _refill(self, held: _Held) -> None:
         try:
@@ -302,8 +302,7 @@ class DirOps:
 
     def recall(self, directory: int) -> None:
         """Another client waits for ``directory`` (a recall in the change feed)."""
-        if directory in self._asking:
-            self._asking[directory] = None
+        self._void_ask(directory)
         held = self._held.get(directory)
         if held is not None:
             self._drop(held, "recalled")
@@ -313,7 +312,7 @@ class DirOps:
         for held in list(self._held.values()):
             self._drop(held, "the change feed lapsed")
         for directory in self._asking:
-            self._asking[directory] = None
+            self._void_ask(directory)
 
     async def close(self) -> None:
         """Send everything queued and give every directory back (an orderly unmount)."""

@@ -284,8 +284,7 @@ class KvfsOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ namespace ---------
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
-        if self.coherence is not None and (self.coherence.absent(parent_inode, name) or (
-                self.dirops is not None and self.dirops.absent(parent_inode, name))):
+        if self.coherence is not None and self.coherence.absent(parent_inode, name):
             return self._negative(parent_inode, name)
         caller = self._caller(ctx)
         try:
@@ -458,8 +457,6 @@ class KvfsOperations(pyfuse3.Operations):
         held = self.dirops.removable(parent_inode, name, caller) if self.dirops is not None else None
         if held is not None:  # a file this mount made in a directory it holds: answered here (fuse/dirops.py)
             self._fresh_dir(parent_inode, self.dirops.unlink(held, caller, name))
-            if self.coherence is not None:
-                self.coherence.unnamed(parent_inode, name)
             return
         parent = await self.meta.unlink(caller, parent_inode, name)
         self._unnamed(parent_inode, name)
@@ -692,8 +689,6 @@ class KvfsOperations(pyfuse3.Operations):
             opened = self.dirops.create(held, caller, name, mode, flags)
             self._fresh_dir(parent_inode, opened.parent)
             fi = await self._attach(caller, opened, flags)
-            if self.coherence is not None:
-                self.coherence.named(parent_inode, name)
             return fi, self._entry(opened.attr, parent_inode, name)
         if self.dirops is not None:
             self.dirops.want(parent_inode, caller)

@@ -85,6 +85,8 @@ def test_a_listing_read_from_meta_counts_only_if_no_other_client_touched_the_dir
     assert c.end_listing(3, token, [b"a", b"b"])
     assert c.absent(3, b"c") and not c.absent(3, b"a")
     assert c.begin_listing(3) is None  # held already
+    forced = c.begin_listing(3, force=True)  # a delegation's grant brings the listing anyway: it replaces the one held
+    assert forced is not None and c.end_listing(3, forced, [b"a", b"c"]) and c.absent(3, b"b") and not c.absent(3, b"c")
 
     def voided(touch) -> bool:
         token = c.begin_listing(4)
