@@ -58,18 +58,13 @@ class DelegationHeld(KvfsError):
 
     default_errno = errno.EAGAIN
 
-    def __init__(self, directory: int, until_ns: int = 0, *, lapsed: bool = False) -> None:
+    def __init__(self, directory: int, lapsed: bool = False) -> None:
         super().__init__(f"directory {directory} is delegated to another client; recalled, retry", errno.EAGAIN)
         self.directory = directory
-        self.until_ns = until_ns
         self.lapsed = lapsed  # the grant has lapsed: it is broken (not recalled) before the retry
 
     def __reduce__(self):
-        return (_rebuild_held, (self.directory, self.until_ns, self.lapsed))
-
-
-def _rebuild_held(directory: int, until_ns: int, lapsed: bool) -> DelegationHeld:
-    return DelegationHeld(directory, until_ns, lapsed=lapsed)
+        return (type(self), (self.directory, self.lapsed))
 
 
 async def retry_while_recalled(call: Callable[[], Awaitable[T]], *, wait: float = RECALL_WAIT) -> T:

@@ -62,7 +62,7 @@ class MetaService:
             else:
                 value = await trio.to_thread.run_sync(call)
         except DelegationHeld as held:  # the caller retries (EAGAIN) once the holder has given the directory back
-            await self._recall(held)
+            await self._answer_held(held)
             raise
         finally:
             ORIGIN.reset(token)
@@ -70,7 +70,7 @@ class MetaService:
                 self._watchers.changed(by=request.caller.client)
         return op.method.response(value)
 
-    async def _recall(self, held: DelegationHeld) -> None:
+    async def _answer_held(self, held: DelegationHeld) -> None:
         """Break a lapsed grant, or publish a recall of a live one unless one went out in the last ``RECALL_REPEAT``
         seconds (callers retry every few milliseconds; a holder that missed the first record gets another)."""
         now = trio.current_time()

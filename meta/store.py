@@ -265,7 +265,7 @@ class MetaStore:
             return
         # a lapsed one is broken first (break_lapsed, its own transaction), so its holder's late changes cannot
         # follow what this caller sees
-        raise DelegationHeld(directory, held.expires_ns, lapsed=held.expires_ns <= self._clock())
+        raise DelegationHeld(directory, lapsed=held.expires_ns <= self._clock())
 
     def _now(self) -> int:
         """The time a change happens at: the holder's, for a delegated change (see :meth:`apply_delegated`)."""
@@ -1071,11 +1071,10 @@ class MetaStore:
             who = msgspec.structs.replace(op.who, client=caller.client)  # its sessions live on the holder's lease
             token = _NOW.set(op.time_ns)
             try:
-                entry = self._entry(tr, directory, _check_name(op.name))
                 if isinstance(op, CreateOp):
-                    if entry is None or entry.ino != op.ino:  # else applied by an earlier try of this batch
-                        self._delegated_create(tr, who, pdir, held, op)
-                elif entry is not None:  # none: removed by an earlier try of this batch
+                    self._delegated_create(tr, who, pdir, held, op)
+                elif (entry := self._entry(tr, directory, _check_name(op.name))) is not None:
+                    # (none: removed by an earlier try of this batch)
                     if entry.ino != op.ino:
                         raise _err(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
                     self._remove(tr, who, directory, op.name, False, parent_inode=pdir)
@@ -1091,12 +1090,13 @@ class MetaStore:
     def _delegated_create(self, tr: Transaction, who: Caller, pdir: Inode, held: Delegation, op: CreateOp) -> None:
         if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks):
             raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation")
-        raw = tr.get(schema.inode(op.ino))
-        if raw is not None:
-            if _dec_inode.decode(raw).attr.nlink == 0:
-                return  # made and removed again by an earlier try of this batch
-            raise _err(errno.EINVAL, f"inode id {op.ino} is in use")
         name = _check_name(op.name)
+        raw = tr.get(schema.inode(op.ino))
+        if raw is not None:  # made by an earlier try of this batch (and perhaps removed again), or misused
+            entry = self._entry(tr, pdir.attr.ino, name)
+            if _dec_inode.decode(raw).attr.nlink == 0 or (entry is not None and entry.ino == op.ino):
+                return
+            raise _err(errno.EINVAL, f"inode id {op.ino} is in use")
         if msgspec.structs.replace(pdir.layout or self._root_layout, seed=op.layout.seed) != op.layout:
             raise _err(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
         inode = self._make(tr, who, pdir.attr.ino, name, stat.S_IFREG | (op.mode & 0o7777), op.ino,
