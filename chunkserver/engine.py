@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import sqlite3
 import threading
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -89,6 +90,13 @@ class ChunkMeta(msgspec.Struct, frozen=True):
     crc: int
     committed_version: int
     pending_version: int | None = None
+
+
+class Lent(NamedTuple):
+    """Stored bytes lent without a copy (:meth:`ChunkEngine.lend`); ``release`` ends the loan."""
+
+    data: memoryview
+    release: Callable[[], None]
 
 
 class VersionInfo(NamedTuple):
@@ -176,6 +184,7 @@ class ChunkEngine:
         self._chunks: dict[int, dict[int, _Entry]] = {}
         self._pins: Counter[tuple[int, int]] = Counter()
         self._deferred: set[tuple[int, int]] = set()
+        self._mappings: dict[int, memoryview] = {}  # size class -> read-only mapping of its slot file (lend)
         self._undurable_frees: list[tuple[int, int]] = []  # slots dropped by commits not yet fsync'ed
         self._used = 0
         (self.root / "data").mkdir(parents=True, exist_ok=True)
@@ -238,6 +247,7 @@ class ChunkEngine:
     def close(self) -> None:
         """Release files and the target lock; the engine is unusable afterwards."""
         self._db.close()
+        self._mappings.clear()  # each mapping goes when the last view of it does
         for f in self._files.values():
             os.close(f.fd)
         os.close(self._lockfd)
@@ -586,21 +596,9 @@ class ChunkEngine:
         version and ChecksumMismatch for corrupt data (serve from another replica, then repair).
         ``nowait`` reads only what is in the page cache and raises BlockingIOError otherwise, so an
         event loop can read cached data itself and leave the rest to a thread."""
-        with self._lock:
-            entry = self._entry(chunk_id)
-            candidates = () if entry is None else (entry.committed, entry.pending)
-            if version is None:
-                candidates = candidates[:1]
-            v = next((x for x in candidates if x is not None and version in (None, x.version)), None)
-            if v is None:
-                raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
-                                errno.ENOENT)
-            meta = self._meta(chunk_id, v, entry)
-            self._pin(v)
+        v, meta = self._pin_version(chunk_id, version)
         try:
-            if offset < 0 or length < 0:
-                raise KvfsError(f"chunk {chunk_id}: bad range {offset}+{length}", errno.EINVAL)
-            n = max(0, min(length, v.length - offset))
+            n = self._readable(chunk_id, v, offset, length)
             if into is not None:
                 out = memoryview(into).cast("B")
                 n = min(n, len(out))
@@ -612,6 +610,66 @@ class ChunkEngine:
             with self._lock:
                 self._unpin(v)
         return (n if into is not None else out.obj), meta
+
+    def lend(self, chunk_id: ChunkId, offset: int, length: int, version: int) -> Lent:
+        """Bytes [offset, offset+length) of ``version`` (cut at its end) as a read-only view of the slot file's
+        mapping, its blocks' CRCs checked: no copy out of the page cache, which costs more here than the CRC and
+        the socket send together (README, "Reads"). The version's slot stays pinned, so not reused, until
+        ``release()``; call it once the bytes have left (an unreleased loan only keeps one slot out of use).
+        Touching the mapping may wait for the disk: call this from a worker thread. Raises as :meth:`read`."""
+        v, _ = self._pin_version(chunk_id, version)
+        try:
+            n = self._readable(chunk_id, v, offset, length)
+            mapped = self._mapping(v)
+            base = v.slot * self._files[v.cls].size
+            for b in range(offset // BLOCK, _nblocks(offset + n)):
+                lo = base + b * BLOCK
+                if crc32c(mapped[lo : lo + min(BLOCK, v.length - b * BLOCK)]) != v.blocks[b]:
+                    raise ChecksumMismatch(f"{self._files[v.cls].path} slot {v.slot} block {b}: stored data is corrupt")
+        except BaseException:
+            with self._lock:
+                self._unpin(v)
+            raise
+        return Lent(mapped[base + offset : base + offset + n], lambda: self._release(v))
+
+    def _release(self, v: _Version) -> None:
+        with self._lock:
+            self._unpin(v)
+
+    def _mapping(self, v: _Version) -> memoryview:
+        """A read-only mapping of ``v``'s slot file that covers its slot. Slot files only grow, so a mapping stays
+        valid; one that ends before the slot is replaced by a mapping of the whole file as it is now (views of
+        the old one keep it alive until they are gone)."""
+        f = self._files[v.cls]
+        end = (v.slot + 1) * f.size
+        with self._lock:
+            mapped = self._mappings.get(v.cls)
+            if mapped is None or len(mapped) < end:
+                mapped = memoryview(mmap.mmap(f.fd, f.total * f.size, prot=mmap.PROT_READ))
+                self._mappings[v.cls] = mapped
+            return mapped
+
+    def _pin_version(self, chunk_id: ChunkId, version: int | None) -> tuple[_Version, ChunkMeta]:
+        """The named version (the committed one if None), pinned: its slot is not reused until unpinned."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            candidates = () if entry is None else (entry.committed, entry.pending)
+            if version is None:
+                candidates = candidates[:1]
+            v = next((x for x in candidates if x is not None and version in (None, x.version)), None)
+            if v is None:
+                raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
+                                errno.ENOENT)
+            meta = self._meta(chunk_id, v, entry)
+            self._pin(v)
+        return v, meta
+
+    @staticmethod
+    def _readable(chunk_id: ChunkId, v: _Version, offset: int, length: int) -> int:
+        """How many of ``length`` bytes at ``offset`` ``v`` holds."""
+        if offset < 0 or length < 0:
+            raise KvfsError(f"chunk {chunk_id}: bad range {offset}+{length}", errno.EINVAL)
+        return max(0, min(length, v.length - offset))
 
     def versions(self, chunk_id: ChunkId) -> tuple[VersionInfo | None, VersionInfo | None]:
         """(committed, pending) versions of a chunk with their ``aux`` records; what a restarted replica resumes from."""

@@ -61,7 +61,8 @@ RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
-_INLINE_READ = 1 << 20  # larger reads go to a thread even when cached: their CRC and copy can run beside the loop
+_LEND_FROM = 256 << 10  # reads from this size are sent from the slot file's mapping: a copy out of the page cache
+# costs more than a worker-thread hop (README, "Reads"); smaller ones are copied inline from the page cache
 
 
 def target_id_for(node_id: int, index: int) -> int:
@@ -135,6 +136,7 @@ class ChunkServer:
         self._chunk_queues: dict[tuple[int, ChunkId], collections.deque[Callable[[], Any]]] = {}
         self._nursery: trio.Nursery | None = None
         self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
+        self._readers = Workers("chunk-read")  # large reads, which must not queue behind writes' fsyncs
         self.registered = trio.Event()
 
     def register_handlers(self, server: RpcServer) -> None:
@@ -386,7 +388,7 @@ class ChunkServer:
 
         async def one(i: int, r: p.ReadRange) -> None:
             try:
-                version, buf = await self._read_one(r)
+                version, buf = await self._read_one(r, ctx)
                 results[i], buffers[i] = p.ReadResult(0, "", version, len(buf)), buf
             except KvfsError as exc:
                 results[i] = p.ReadResult(exc.errno or errno.EIO, exc.message)
@@ -399,7 +401,7 @@ class ChunkServer:
                     nursery.start_soon(one, i, r)
         return p.ReadBatchResult(results), [b for b in buffers if len(b)]
 
-    async def _read_one(self, r: p.ReadRange) -> tuple[int, memoryview | bytes]:
+    async def _read_one(self, r: p.ReadRange, ctx: CallContext) -> tuple[int, memoryview | bytes]:
         if not 0 <= r.offset < p.MAX_CHUNK_SIZE or not 0 <= r.length <= p.MAX_CHUNK_SIZE:
             raise KvfsError(f"read range {r.offset}+{r.length} outside any chunk", errno.EINVAL)
         member = self._member_for_chain(r.chain_id)
@@ -414,31 +416,47 @@ class ChunkServer:
         if decision.version == 0:
             return 0, b""
         engine = self.engines[member.target_id]
-        buf = memoryview(RECEIVED.take(r.length))  # filled by the read; only the part read goes out
+        read = self._engine_lend if r.length >= _LEND_FROM else self._engine_read
         try:
-            n = await self._engine_read(engine, r.chunk_id, r.offset, buf, decision.version)
+            data = await read(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
         except ChecksumMismatch as exc:
             log.error("target %s chunk %s: %s; repairing from a peer", member.target_id, r.chunk_id, exc.message)
             await self._repair(member, r.chunk_id)
-            n = await self._engine_read(engine, r.chunk_id, r.offset, buf, decision.version)
-        return decision.version, buf[:n]
+            data = await read(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
+        return decision.version, data
 
     @staticmethod
-    async def _engine_read(engine: ChunkEngine, chunk_id: ChunkId, offset: int, buf: memoryview, version: int) -> int:
-        cid = _engine_id(chunk_id)
+    def _holds(engine: ChunkEngine, cid: ChunkId, version: int) -> bool:
+        """Whether the engine holds ``version`` of the chunk; False if it holds none (removed: a hole)."""
         committed, pending = engine.versions(cid)
         if committed is None and pending is None:
-            return 0  # removed (truncated or garbage-collected): a hole
-        held = {v.version for v in (committed, pending) if v is not None}
-        if version not in held:
-            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read")
-        if len(buf) <= _INLINE_READ:  # from the page cache, inline: a thread hop costs more than the read
-            try:
-                return engine.read(cid, offset, len(buf), version=version, into=buf, nowait=True)[0]
-            except BlockingIOError:
-                pass  # some of it is on disk only: wait for it in a thread, not in the event loop
-        n, _ = await trio.to_thread.run_sync(lambda: engine.read(cid, offset, len(buf), version=version, into=buf))
-        return n
+            return False
+        if version not in {v.version for v in (committed, pending) if v is not None}:
+            raise NotCommitted(f"chunk {cid} moved past v{version} during the read")
+        return True
+
+    async def _engine_read(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
+                           ctx: CallContext) -> memoryview | bytes:
+        """A small read, copied into a pooled buffer: from the page cache inline, else in a thread."""
+        cid = _engine_id(chunk_id)
+        if not self._holds(engine, cid, version):
+            return b""
+        buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
+        try:
+            n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
+        except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
+            n, _ = await trio.to_thread.run_sync(lambda: engine.read(cid, offset, length, version=version, into=buf))
+        return buf[:n]
+
+    async def _engine_lend(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
+                           ctx: CallContext) -> memoryview | bytes:
+        """A large read, sent straight from the slot file's mapping; the slot is released once the reply is out."""
+        cid = _engine_id(chunk_id)
+        if not self._holds(engine, cid, version):
+            return b""
+        lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
+        ctx.after_reply(lent.release)
+        return lent.data
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
         """Replace a corrupt local copy with a peer's committed copy of the same version."""

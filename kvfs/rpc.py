@@ -202,6 +202,11 @@ class _Writer:
         self._stopped = False
         self._error: OSError | None = None
 
+    @property
+    def stopped(self) -> bool:
+        """Nothing more will be sent: the writer task has ended."""
+        return self._stopped
+
     async def put(self, buffers: list[Buffer]) -> None:
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
@@ -805,6 +810,12 @@ class CallContext:
     peer: str
     method: Method
     connection: PeerConnection | None = field(default=None, repr=False, compare=False)
+    _after_reply: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def after_reply(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the reply's bytes are in the kernel (or the call ended without one): for a handler
+        that answers with a view of memory it must keep unchanged until then (``ChunkEngine.lend``)."""
+        self._after_reply.append(fn)
 
 
 class PeerConnection:
@@ -1079,6 +1090,8 @@ class RpcServer(_TransportChoice):
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
     ) -> None:
+        ctx: CallContext | None = None
+        delivered = False  # the reply is in the kernel, or there is none to send
         try:
             frames: list[Buffer]
             if buffers is not None and buffers[0] is not None and failure is None:
@@ -1098,7 +1111,8 @@ class RpcServer(_TransportChoice):
                 started = trio.current_time()
                 self._running += 1
                 try:
-                    result = await handler(request, data, CallContext(peer, method, conn))
+                    ctx = CallContext(peer, method, conn)
+                    result = await handler(request, data, ctx)
                     if oneway:
                         frames = []
                     elif buffers is not None and buffers[1] is not None:
@@ -1119,6 +1133,7 @@ class RpcServer(_TransportChoice):
                 RPC_SECONDS.labels(method.name).observe(trio.current_time() - started)
                 RPC_CALLS.labels(method.name, failure.errno if failure else 0).inc()
             if oneway:
+                delivered = True
                 if failure is not None:
                     self.log.debug("one-way %s from %s failed: %s", entry[0].name if entry else "call", peer,
                                    failure.message)
@@ -1130,8 +1145,25 @@ class RpcServer(_TransportChoice):
                 await writer.put(frames)
             except ConnectionLost:
                 pass
+            delivered = True
         finally:
             limiter.release_on_behalf_of(request_id)
+            if ctx is not None and ctx._after_reply:
+                self._after_reply(ctx, delivered or writer.stopped)
+
+    def _after_reply(self, ctx: CallContext, done: bool) -> None:
+        """Run the handler's after-reply calls, unless the reply may still be sent from the memory they free (a
+        cancelled send left it queued on a live connection): then they never run, and what they would free stays
+        held, which is safe."""
+        if not done:
+            self.log.warning("%s to %s: reply still queued after its call ended; its buffers stay held",
+                             ctx.method.name, ctx.peer)
+            return
+        for fn in ctx._after_reply:
+            try:
+                fn()
+            except Exception:
+                self.log.exception("after-reply call of %s failed", ctx.method.name)
 
     def _response(self, request_id: int, method: Method, result: HandlerResult) -> list[Buffer]:
         if isinstance(result, tuple):

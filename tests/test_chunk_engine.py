@@ -216,6 +216,55 @@ def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
     assert not errors
 
 
+def test_lend_serves_the_version_without_a_copy_and_holds_its_slot(eng: ChunkEngine) -> None:
+    data = os.urandom(5 * BLOCK + 77)
+    put(eng, C, 1, 0, data, full_replace=True)
+    for off, n in [(0, len(data)), (BLOCK + 3, 2 * BLOCK), (len(data) - 5, 100), (len(data), 9)]:
+        lent = eng.lend(C, off, n, 1)
+        assert bytes(lent.data) == data[off : off + n]
+        lent.release()
+    lent = eng.lend(C, 0, len(data), 1)
+    for v in range(2, 6):  # newer versions come and go; none may reuse the lent slot
+        put(eng, C, v, 0, bytes([v]) * len(data), full_replace=True)
+    assert bytes(lent.data) == data
+    lent.release()
+    assert eng.space()[1] == 8 * BLOCK  # released: only the newest version's slot (512 KiB) is in use
+    with pytest.raises(KvfsError) as err:
+        eng.lend(C, 0, 10, 1)
+    assert err.value.errno == errno.ENOENT
+
+
+def test_lend_checks_the_blocks_it_lends(eng: ChunkEngine) -> None:
+    data = os.urandom(4 * BLOCK)
+    put(eng, C, 1, 0, data)
+    path, off, _, _ = eng.local_location(C)
+    with open(path, "r+b") as f:
+        f.seek(off + 2 * BLOCK + 17)
+        f.write(bytes([data[2 * BLOCK + 17] ^ 0xFF]))
+    lent = eng.lend(C, 0, 2 * BLOCK, 1)  # the blocks before the bad one are fine
+    assert bytes(lent.data) == data[: 2 * BLOCK]
+    lent.release()
+    with pytest.raises(ChecksumMismatch):
+        eng.lend(C, BLOCK, 2 * BLOCK, 1)
+    eng.replace_full(C, 1, data, crc32c(data))  # the failed loan left no pin behind: the bad slot is freed
+    assert eng.space()[1] == 4 * BLOCK
+
+
+def test_lend_covers_slots_added_after_the_first_mapping(eng: ChunkEngine) -> None:
+    chunks = [ChunkId(9, i) for i in range(40)]
+    first = os.urandom(BLOCK)
+    put(eng, chunks[0], 1, 0, first)
+    held = eng.lend(chunks[0], 0, BLOCK, 1)  # maps the slot file as it is now
+    for cid in chunks[1:]:
+        put(eng, cid, 1, 0, bytes([cid.index]) * BLOCK)
+    for cid in chunks[1:]:
+        lent = eng.lend(cid, 0, BLOCK, 1)
+        assert bytes(lent.data) == bytes([cid.index]) * BLOCK
+        lent.release()
+    assert bytes(held.data) == first  # the old mapping lives on while it is viewed
+    held.release()
+
+
 def test_nowait_reads_only_from_the_page_cache(tmp_path: Path) -> None:
     with ChunkEngine(tmp_path / "t", fsync=True) as e:  # fsync: written pages are clean, so they can be dropped
         data = os.urandom(4 * BLOCK)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 
@@ -336,6 +337,34 @@ async def test_one_way_messages_run_the_handler_and_get_no_answer(nursery, clien
     assert await client.call(address, ECHO, EchoRequest("after")) == EchoResponse("after", 0)
     assert got == [("a", 100_000), ("b", 0)]
     assert not (await client.connection(address))._pending
+
+
+async def test_after_reply_runs_once_the_reply_left_and_also_after_a_failure(nursery, client):
+    """A handler may answer with a view of memory it must keep until the reply is out (a lent chunk): its
+    after-reply calls run only then, so clobbering the memory there cannot reach the caller; and they run when
+    the handler fails after registering them, so nothing stays held."""
+    lent = bytearray(os.urandom(16 << 20))  # more than a socket takes at once: the reply waits for the reader
+    expected = bytes(lent)
+    released: list[str] = []
+
+    async def lend(request: EchoRequest, data: memoryview | None, ctx) -> object:
+        def release() -> None:
+            lent[:] = bytes(len(lent))
+            released.append(request.text)
+
+        ctx.after_reply(release)
+        if request.fail_errno:
+            raise KvfsError("refused", request.fail_errno)
+        return EchoResponse(request.text, 0), memoryview(lent)
+
+    srv = RpcServer(TOKEN, limits=Limits(max_data=32 << 20), name="test-lend")
+    srv.register(ECHO, lend)
+    address = f"127.0.0.1:{await nursery.start(srv.serve, '127.0.0.1', 0)}"
+    _, data = await client.call_with_data(address, ECHO, EchoRequest("big"))
+    assert bytes(data) == expected and released == ["big"]
+    with pytest.raises(KvfsError):
+        await client.call(address, ECHO, EchoRequest("bad", fail_errno=errno.EIO))
+    assert released == ["big", "bad"]
 
 
 async def test_writer_holds_caller_buffers_until_sent_and_keeps_frame_order():
