@@ -107,13 +107,19 @@ def test_enospc_leaves_old_data(tmp_path: Path) -> None:
         assert e.space() == (3 * BLOCK, 2 * BLOCK, BLOCK)
 
 
-def test_corruption_detected_then_repaired(eng: ChunkEngine) -> None:
+def corrupt_third_block(e: ChunkEngine) -> bytes:
+    """Commit four blocks of random data as C v1, then flip a byte of the third on disk; returns the data."""
     data = os.urandom(4 * BLOCK)
-    put(eng, C, 1, 0, data)
-    path, off, length, version = eng.local_location(C)
+    put(e, C, 1, 0, data)
+    path, off, _, _ = e.local_location(C)
     with open(path, "r+b") as f:
         f.seek(off + 2 * BLOCK + 17)
         f.write(bytes([data[2 * BLOCK + 17] ^ 0xFF]))
+    return data
+
+
+def test_corruption_detected_then_repaired(eng: ChunkEngine) -> None:
+    data = corrupt_third_block(eng)
     assert bytes(eng.read(C, 0, BLOCK)[0]) == data[:BLOCK]  # untouched blocks stay readable
     with pytest.raises(ChecksumMismatch):
         eng.read(C, 2 * BLOCK + 100, 10)
@@ -235,12 +241,7 @@ def test_lend_serves_the_version_without_a_copy_and_holds_its_slot(eng: ChunkEng
 
 
 def test_lend_checks_the_blocks_it_lends(eng: ChunkEngine) -> None:
-    data = os.urandom(4 * BLOCK)
-    put(eng, C, 1, 0, data)
-    path, off, _, _ = eng.local_location(C)
-    with open(path, "r+b") as f:
-        f.seek(off + 2 * BLOCK + 17)
-        f.write(bytes([data[2 * BLOCK + 17] ^ 0xFF]))
+    data = corrupt_third_block(eng)
     lent = eng.lend(C, 0, 2 * BLOCK, 1)  # the blocks before the bad one are fine
     assert bytes(lent.data) == data[: 2 * BLOCK]
     lent.release()
