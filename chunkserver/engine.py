@@ -622,7 +622,7 @@ class ChunkEngine:
             n = self._readable(chunk_id, v, offset, length)
             mapped = self._mapping(v)
             base = v.slot * self._files[v.cls].size
-            for b in range(offset // BLOCK, _nblocks(offset + n)):
+            for b in range(offset // BLOCK, _nblocks(offset + n) if n else 0):  # nothing to check past the end
                 lo = base + b * BLOCK
                 if crc32c(mapped[lo : lo + min(BLOCK, v.length - b * BLOCK)]) != v.blocks[b]:
                     raise ChecksumMismatch(f"{self._files[v.cls].path} slot {v.slot} block {b}: stored data is corrupt")

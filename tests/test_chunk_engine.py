@@ -225,7 +225,8 @@ def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:
 def test_lend_serves_the_version_without_a_copy_and_holds_its_slot(eng: ChunkEngine) -> None:
     data = os.urandom(5 * BLOCK + 77)
     put(eng, C, 1, 0, data, full_replace=True)
-    for off, n in [(0, len(data)), (BLOCK + 3, 2 * BLOCK), (len(data) - 5, 100), (len(data), 9)]:
+    for off, n in [(0, len(data)), (BLOCK + 3, 2 * BLOCK), (len(data) - 5, 100), (len(data), 9),
+                   (len(data) + 3 * BLOCK, 10)]:
         lent = eng.lend(C, off, n, 1)
         assert bytes(lent.data) == data[off : off + n]
         lent.release()
@@ -319,6 +320,9 @@ def test_matches_bytearray_model(tmp_path: Path, ops: list[tuple[str, int, int]]
             assert m.crc == crc32c(model) and m.length == len(model)
         if ops and e.meta(C) is not None:
             assert content(e, C) == bytes(model)
+            lent = e.lend(C, BLOCK // 2, 3 * BLOCK, e.meta(C).version)  # spans partial blocks at both ends
+            assert bytes(lent.data) == bytes(model[BLOCK // 2 : BLOCK // 2 + 3 * BLOCK])
+            lent.release()
 
 
 def test_full_disk_and_oversized_chunk_refused(eng: ChunkEngine, monkeypatch: pytest.MonkeyPatch) -> None:
