@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import trio
@@ -13,7 +14,8 @@ from chunkserver.client import StorageClient
 from craq.messages import ChunkId, TargetState
 from craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
 from kvfs.rpc import RpcClient
-from kvfs.wire import Empty
+from kvfs import wire
+from kvfs.wire import Empty, Limits
 from meta.types import Layout
 
 LAYOUT = Layout(chunk_size=1 << 20, stripe=4, seed=7)
@@ -77,6 +79,40 @@ async def test_write_read_round_trip(cluster):
         assert back[:1_500_000] == expected[:1_500_000] and back[1_500_000:] == bytes(len(back) - 1_500_000)
         total, free = await storage.capacity()
         assert total > 0 and free > 0
+
+
+async def test_a_slow_reader_gets_the_version_it_asked_for_while_overwrites_go_on(cluster):
+    """Reads of 256 KiB and more leave a chunk server straight from its slot file's mapping. A reader that takes
+    its reply slowly keeps the server sending from that mapping while newer versions commit and free slots: the
+    version being sent must stay out of reuse until all of it is out, or the reader gets two versions' bytes."""
+    layout = Layout(chunk_size=8 << 20, stripe=1, seed=3)  # a reply larger than the sockets' buffers
+    size = layout.chunk_size
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        await storage.write(9, layout, 0, bytes([1]) * size)
+        routing = await storage.routing()
+        (chain,) = routing.chains
+        host, port = routing.addresses[chain.targets[0].node_id].rsplit(":", 1)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)  # takes the reply a little at a time
+        await sock.connect((host, int(port)))
+        request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(9, 0), 0, size)])
+        await sock.send(wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, p.READ.id,
+                                          wire.encode_body(request)))
+        await trio.sleep(0.3)  # the server is sending, blocked on the full socket
+        for version in range(2, 12):  # each commit frees the slot of the version before
+            await storage.write(9, layout, 0, bytes([version]) * size)
+        reply = bytearray()
+        with trio.fail_after(30):
+            while len(reply) < wire.HEADER_SIZE or len(reply) < wire.HEADER_SIZE + header.body_len + header.data_len:
+                chunk = await sock.recv(1 << 20)
+                assert chunk, "the server closed the connection"
+                reply += chunk
+                if len(reply) >= wire.HEADER_SIZE:
+                    header = wire.decode_header(reply[: wire.HEADER_SIZE], Limits(max_data=1 << 30))
+        sock.close()
+        assert header.data_len == size
+        assert reply[-size:] == bytes([1]) * size, "the reply mixed versions"
 
 
 def replica_contents(workdir, nodes) -> list[dict]:
