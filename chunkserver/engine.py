@@ -478,8 +478,7 @@ class ChunkEngine:
                 if self._fsync:
                     os.fdatasync(self._files[cls].fd)
             finally:
-                with self._lock:
-                    self._unpin(old)
+                self._release(old)
             whole = crc if full_replace or (offset == 0 and len(data) == new_len) else fold_crc(blocks, new_len)
             staged = _Version(version, new_len, whole, blocks, cls, slot, origin, aux)
             return self._publish_pending(cid, staged, force)
@@ -607,8 +606,7 @@ class ChunkEngine:
                 out = memoryview(bytearray(n))
             self._read_verified(v, offset, out, nowait)
         finally:
-            with self._lock:
-                self._unpin(v)
+            self._release(v)
         return (n if into is not None else out.obj), meta
 
     def lend(self, chunk_id: ChunkId, offset: int, length: int, version: int) -> Lent:
@@ -627,12 +625,12 @@ class ChunkEngine:
                 if crc32c(mapped[lo : lo + min(BLOCK, v.length - b * BLOCK)]) != v.blocks[b]:
                     raise ChecksumMismatch(f"{self._files[v.cls].path} slot {v.slot} block {b}: stored data is corrupt")
         except BaseException:
-            with self._lock:
-                self._unpin(v)
+            self._release(v)
             raise
         return Lent(mapped[base + offset : base + offset + n], lambda: self._release(v))
 
     def _release(self, v: _Version) -> None:
+        """Unpin ``v`` (see :meth:`_pin_version`)."""
         with self._lock:
             self._unpin(v)
 

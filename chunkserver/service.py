@@ -416,47 +416,35 @@ class ChunkServer:
         if decision.version == 0:
             return 0, b""
         engine = self.engines[member.target_id]
-        read = self._engine_lend if r.length >= _LEND_FROM else self._engine_read
         try:
-            data = await read(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
+            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
         except ChecksumMismatch as exc:
             log.error("target %s chunk %s: %s; repairing from a peer", member.target_id, r.chunk_id, exc.message)
             await self._repair(member, r.chunk_id)
-            data = await read(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
+            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
         return decision.version, data
 
-    @staticmethod
-    def _holds(engine: ChunkEngine, cid: ChunkId, version: int) -> bool:
-        """Whether the engine holds ``version`` of the chunk; False if it holds none (removed: a hole)."""
+    async def _engine_data(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
+                           ctx: CallContext) -> memoryview | bytes:
+        """The bytes of a read. Large ones are sent straight from the slot file's mapping, the slot released once
+        the reply is out; small ones are copied into a pooled buffer, from the page cache inline, else in a
+        thread."""
+        cid = _engine_id(chunk_id)
         committed, pending = engine.versions(cid)
         if committed is None and pending is None:
-            return False
+            return b""  # removed (truncated or garbage-collected): a hole
         if version not in {v.version for v in (committed, pending) if v is not None}:
-            raise NotCommitted(f"chunk {cid} moved past v{version} during the read")
-        return True
-
-    async def _engine_read(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
-                           ctx: CallContext) -> memoryview | bytes:
-        """A small read, copied into a pooled buffer: from the page cache inline, else in a thread."""
-        cid = _engine_id(chunk_id)
-        if not self._holds(engine, cid, version):
-            return b""
+            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read")
+        if length >= _LEND_FROM:
+            lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
+            ctx.after_reply(lent.release)
+            return lent.data
         buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
         try:
             n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
         except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
             n, _ = await trio.to_thread.run_sync(lambda: engine.read(cid, offset, length, version=version, into=buf))
         return buf[:n]
-
-    async def _engine_lend(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
-                           ctx: CallContext) -> memoryview | bytes:
-        """A large read, sent straight from the slot file's mapping; the slot is released once the reply is out."""
-        cid = _engine_id(chunk_id)
-        if not self._holds(engine, cid, version):
-            return b""
-        lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
-        ctx.after_reply(lent.release)
-        return lent.data
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
         """Replace a corrupt local copy with a peer's committed copy of the same version."""
