@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -64,6 +65,10 @@ Handler: TypeAlias = Callable[[Any, memoryview | None, "CallContext"], Awaitable
 
 RPC_CALLS = prometheus_client.Counter("kvfs_rpc_calls", "RPC calls served", ["method", "errno"])
 RPC_SECONDS = prometheus_client.Histogram("kvfs_rpc_seconds", "Time spent in RPC handlers", ["method"])
+
+# labels() hashes and looks up its arguments on every call; the children are few (methods x errnos), kept here.
+_call_counter = functools.cache(RPC_CALLS.labels)
+_call_timer = functools.cache(RPC_SECONDS.labels)
 RDMA_FALLBACKS = prometheus_client.Counter(
     "kvfs_rdma_fallbacks", "Connections that left (or never reached) RDMA for bulk data", ["stage"]
 )
@@ -401,11 +406,11 @@ class Connection:
             header = wire.decode_header(raw, self._limits)
             body = await reader.read(header.body_len)
             wire.check_tag(self._signer, raw, header, body)
-            if header.flags & wire.Flags.GOAWAY:
+            if wire.Flags.GOAWAY in header.flags:
                 self._going_away = True  # answers to what we sent still come; nothing new goes out here
                 continue
             pending = self._pending.pop(header.request_id, None)
-            if header.flags & wire.Flags.AUTH_REFUSED:
+            if wire.Flags.AUTH_REFUSED in header.flags:
                 err = wire.decode_error(body)
                 raise AuthError(f"{self.address} refused us: {err.message}")
             if pending is None:  # the caller gave up (deadline); drop the late answer
@@ -414,7 +419,7 @@ class Connection:
                 await reader.discard(header.data_len)
                 continue
             try:
-                if header.flags & wire.Flags.RDMA:
+                if wire.Flags.RDMA in header.flags:
                     self._rdma_answer(header, body, pending)
                 elif header.type is FrameType.ERROR:
                     err = wire.decode_error(body)
@@ -1041,11 +1046,11 @@ class RpcServer(_TransportChoice):
             wire.check_tag(self._signer, raw, header, body)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
-            oneway = bool(header.flags & wire.Flags.ONEWAY)
-            if oneway and header.flags & wire.Flags.RDMA:
+            oneway = wire.Flags.ONEWAY in header.flags
+            if oneway and wire.Flags.RDMA in header.flags:
                 raise ProtocolError("a one-way request cannot move its data by RDMA")
             buffers = None
-            if header.flags & wire.Flags.RDMA:  # data by RDMA: descriptors of the client's slabs end the body
+            if wire.Flags.RDMA in header.flags:  # data by RDMA: descriptors of the client's slabs end the body
                 body, src, dst = rdma.split_request(body, self._limits.max_data)
                 if src is not None and header.data_len:
                     raise ProtocolError("request has both an RDMA source and a TCP data section")
@@ -1130,8 +1135,8 @@ class RpcServer(_TransportChoice):
                     if not self._running:
                         self._idle.set()
                         self._idle = trio.Event()
-                RPC_SECONDS.labels(method.name).observe(trio.current_time() - started)
-                RPC_CALLS.labels(method.name, failure.errno if failure else 0).inc()
+                _call_timer(method.name).observe(trio.current_time() - started)
+                _call_counter(method.name, failure.errno if failure else 0).inc()
             if oneway:
                 delivered = True
                 if failure is not None:
