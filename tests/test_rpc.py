@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfs import wire
-from kvfs.errors import AuthError, KvfsError, RpcTimeout
+from kvfs.errors import AuthError, KvfsError, ProtocolError, RpcTimeout
 from kvfs.rpc import RpcClient, RpcServer
 from kvfs.wire import Limits, Method
 
@@ -35,6 +35,7 @@ class EchoResponse(msgspec.Struct, array_like=True):
 ECHO = Method(9001, "test.echo", EchoRequest, EchoResponse, idempotent=True)
 ECHO_ONCE = Method(9002, "test.echo_once", EchoRequest, EchoResponse)
 UNKNOWN = Method(9003, "test.unregistered", EchoRequest, EchoResponse)
+
 
 
 async def echo(request: EchoRequest, data: memoryview | None, ctx) -> object:
@@ -402,3 +403,16 @@ async def test_writer_holds_caller_buffers_until_sent_and_keeps_frame_order():
         assert received[:4] == b"head" and received[-4:] == b"tail" and len(received) == 8 + len(big)
         with pytest.raises(Exception, match="closed"):
             await writer.put([b"late"])
+
+
+@given(ftype=st.integers(0, 255), flags=st.integers(0, 255))
+def test_decode_header_knows_every_frame_type_and_flag_set_and_refuses_the_rest(ftype, flags):
+    raw = wire.HEADER.pack(wire.MAGIC, wire.PROTOCOL_VERSION, ftype, flags, 7, 1, 0, 0, bytes(wire.TAG_SIZE))
+    if ftype not in {t.value for t in wire.FrameType} or flags & ~int(~wire.Flags(0)):
+        with pytest.raises(ProtocolError, match="unknown"):
+            wire.decode_header(raw, Limits())
+        return
+    header = wire.decode_header(raw, Limits())
+    assert header.type is wire.FrameType(ftype)
+    assert header.flags == wire.Flags(flags) and type(header.flags) is wire.Flags
+    assert {f for f in wire.Flags if f and f in header.flags} == {f for f in wire.Flags if f & flags}
