@@ -428,23 +428,27 @@ class ChunkServer:
                            ctx: CallContext) -> memoryview | bytes:
         """The bytes of a read. Large ones are sent straight from the slot file's mapping, the slot released once
         the reply is out; small ones are copied into a pooled buffer, from the page cache inline, else in a
-        thread."""
+        thread. The engine pins the version when it starts reading: if it is gone by then (the read waited for
+        a thread while a newer version committed), the chunk was removed (a hole) or moved on (retry)."""
         cid = _engine_id(chunk_id)
-        committed, pending = engine.versions(cid)
-        if committed is None and pending is None:
-            return b""  # removed (truncated or garbage-collected): a hole
-        if version not in {v.version for v in (committed, pending) if v is not None}:
-            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read")
-        if length >= _LEND_FROM:
-            lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
-            ctx.after_reply(lent.release)
-            return lent.data
-        buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
         try:
-            n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
-        except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
-            n, _ = await trio.to_thread.run_sync(lambda: engine.read(cid, offset, length, version=version, into=buf))
-        return buf[:n]
+            if length >= _LEND_FROM:
+                lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
+                ctx.after_reply(lent.release)
+                return lent.data
+            buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
+            try:
+                n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
+            except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
+                n, _ = await trio.to_thread.run_sync(
+                    lambda: engine.read(cid, offset, length, version=version, into=buf))
+            return buf[:n]
+        except KvfsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            if engine.versions(cid) == (None, None):
+                return b""  # removed (truncated or garbage-collected): a hole
+            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
         """Replace a corrupt local copy with a peer's committed copy of the same version."""

@@ -228,3 +228,34 @@ async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path)
         assert out == kept
         await storage.remove_files([12])  # space comes back: writes work again
         await storage.write(12, LAYOUT, 0, kept)
+
+
+@pytest.mark.parametrize("length", [4096, 1 << 20], ids=["copied", "lent"])
+async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_reads_a_hole(tmp_path, length):
+    """The chunk server checks nothing before the engine pins the version: a version that is gone by then
+    (a newer one committed while the read waited for a thread) is EAGAIN for the client to retry, never
+    ENOENT, and a chunk removed altogether reads as a hole."""
+    from chunkserver.engine import ChunkEngine
+    from chunkserver.engine import ChunkId as EngineChunkId
+    from chunkserver.service import ChunkServer
+    from crc32c import crc32c
+    from kvfs.errors import NotCommitted
+    from kvfs.rpc import CallContext
+
+    engine = ChunkEngine(tmp_path / "target", fsync=False)
+    server = ChunkServer(1, "127.0.0.1:1", {1: engine}, None, None)  # type: ignore[arg-type]
+    ctx = CallContext("test", p.READ)
+    data = os.urandom(2 << 20)
+    for version in (1, 2):
+        engine.write_pending(EngineChunkId(7, 0), version, 0, data, crc32c(data), full_replace=True,
+                             chunk_size=p.MAX_CHUNK_SIZE)
+        engine.commit(EngineChunkId(7, 0), version)
+    chunk = ChunkId(7, 0)
+    assert bytes(await server._engine_data(engine, chunk, 0, length, 2, ctx)) == data[:length]
+    with pytest.raises(NotCommitted, match="moved past v1"):
+        await server._engine_data(engine, chunk, 0, length, 1, ctx)
+    engine.remove_files([7])
+    assert await server._engine_data(engine, chunk, 0, length, 2, ctx) == b""
+    for release in ctx._after_reply:
+        release()
+    engine.close()
