@@ -3,7 +3,7 @@
 the metadata loop on an in-memory pyfuse3 filesystem (the floor under kvfs's metadata rows).
 
     sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000]
-                                                    [--meta-rounds 3] [--no-kvfs-fsync]
+                                                    [--meta-rounds 3] [--no-kvfs-fsync | --kvfs-write-through]
                                                     [--skip-kvfs] [--skip-moosefs] [--skip-local] [--skip-pyfuse3]
                                                     [--install] [--keep] [--json-out FILE]
 
@@ -430,7 +430,8 @@ class KvfsTarget(Target):
         self.data = work / "kvfs-data"
         self.mnt = work / "kvfs-mnt"
         self.kvfs = self._kvfs_cmd()
-        self.fsync = args.kvfs_fsync
+        self.durability = ["--fsync", "--write-through"] if args.kvfs_write_through else [
+            "--fsync" if args.kvfs_fsync else "--no-fsync"]
 
     @staticmethod
     def _kvfs_cmd() -> list[str] | None:
@@ -469,7 +470,7 @@ class KvfsTarget(Target):
         self.mnt.mkdir(parents=True, exist_ok=True)
         log("  kvfs up (3 chunk servers, 3 replicas) ...")
         r = run([*self.kvfs, "up", "--data", str(self.data), "--mount", str(self.mnt), "--chunkservers", "3",
-                 "--replicas", "3", "--fsync" if self.fsync else "--no-fsync"], timeout=180, cwd=str(REPO))
+                 "--replicas", "3", *self.durability], timeout=180, cwd=str(REPO))
         for line in r.stdout.strip().splitlines():
             log(f"    {line}")
         check_mounted(self.mnt, "fuse.kvfs")
@@ -828,6 +829,12 @@ def install(packages: list[str]) -> None:
     run(["apt-get", "install", "-y", *packages], timeout=900, env=env, stdout=None, stderr=None)
 
 
+def durability(args: argparse.Namespace) -> str:
+    if args.kvfs_write_through:
+        return "flush every write (write-through)"
+    return "flush at fsync and every 5 s (write-back)" if args.kvfs_fsync else "never flush"
+
+
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--meta-worker":
         meta_worker(sys.argv[2], int(sys.argv[3]))
@@ -841,8 +848,10 @@ def main() -> int:
                    help="metadata loops per target; the table shows the median (default 3)")
     p.add_argument("--skip-kvfs", action="store_true")
     p.add_argument("--kvfs-fsync", action=argparse.BooleanOptionalAction, default=True,
-                   help="kvfs chunk servers fsync every write (the default); --no-kvfs-fsync matches MooseFS, whose "
-                        "chunk servers do not")
+                   help="kvfs chunk servers flush at fsync and every few seconds (the default, write-back); "
+                        "--no-kvfs-fsync never flushes, as MooseFS's chunk servers (HDD_FSYNC_BEFORE_CLOSE = 0)")
+    p.add_argument("--kvfs-write-through", action="store_true",
+                   help="kvfs chunk servers flush every write before acknowledging it")
     p.add_argument("--skip-moosefs", action="store_true")
     p.add_argument("--skip-local", action="store_true")
     p.add_argument("--skip-pyfuse3", action="store_true", help="leave out the in-memory pyfuse3 floor (memfs.py)")
@@ -928,7 +937,7 @@ def main() -> int:
     print()
     print(f"fs_compare: size {args.size / 2**20:g} MiB, runtime {args.runtime} s per fio job, "
           f"{args.files:,} files (median of {args.meta_rounds} rounds); psync, direct=0, 1 job; "
-          f"kvfs fsync {'on' if args.kvfs_fsync else 'off'}; "
+          f"kvfs chunk servers {durability(args)}; "
           f"MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
           f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
     print(table(results))

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import sqlite3
@@ -70,6 +71,8 @@ from crc32c import crc32c
 
 from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
+
+log = logging.getLogger("kvfs.chunkserver.engine")
 
 MIN_CLASS_LOG2 = 16
 MAX_CLASS_LOG2 = 26
@@ -175,9 +178,15 @@ class ChunkEngine:
     """Chunk versions of one storage target. Thread-safe: big calls may run in worker threads while
     small cached ones (``meta``, ``list_chunks``, ``space``, ``local_location``) run inline."""
 
-    def __init__(self, root: Path, *, fsync: bool = True, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self, root: Path, *, fsync: bool = True, write_through: bool = True, capacity_bytes: int | None = None
+    ) -> None:
+        """``fsync=False`` never flushes (tests, scratch space). ``write_through=False`` acknowledges writes
+        from the page cache and makes them durable at :meth:`sync` (see "Write-back")."""
         self.root = Path(root)
         self._fsync = fsync
+        self._write_through = write_through
+        self._write_back = fsync and not write_through  # tracks unsynced versions and keeps superseded ones
         self._capacity = capacity_bytes
         self._lock = threading.Lock()  # in-memory state; never held across disk I/O except fallocate
         self._db_lock = threading.Lock()  # serialises metadata writers; held across the SQLite commit
@@ -185,7 +194,13 @@ class ChunkEngine:
         self._pins: Counter[tuple[int, int]] = Counter()
         self._deferred: set[tuple[int, int]] = set()
         self._mappings: dict[int, memoryview] = {}  # size class -> read-only mapping of its slot file (lend)
-        self._undurable_frees: list[tuple[int, int]] = []  # slots dropped by commits not yet fsync'ed
+        self._undurable_frees: list[tuple[int, int]] = []  # slots whose rows' removal is not yet fsync'ed
+        self._superseded: dict[ChunkId, _Version] = {}  # write-back: the last synced committed version, until sync
+        self._last_seq: dict[ChunkId, int] = {}  # write-back: each chunk's newest unsynced staging
+        self._dirty_classes: set[int] = set()  # write-back: slot files written since the last sync
+        self._db_dirty = False  # a transaction since the last fsync'ed one
+        self._seq = 0  # the last unsynced staging's number
+        self._sync_lock = threading.Lock()  # one sync at a time; a caller's sync starts after its call
         self._used = 0
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         self._lockfd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -196,7 +211,8 @@ class ChunkEngine:
             raise KvfsError(f"target {self.root} is open in another engine", errno.EBUSY) from None
         self._db = sqlite3.connect(self.root / "chunks.sqlite", check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'OFF'}")
+        self._synchronous = "FULL" if fsync else "OFF"
+        self._db.execute(f"PRAGMA synchronous={self._synchronous}")
         self._db.executescript(
             """
             CREATE TABLE IF NOT EXISTS target(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -205,13 +221,16 @@ class ChunkEngine:
                 version INTEGER NOT NULL, length INTEGER NOT NULL, crc INTEGER NOT NULL,
                 block_crcs BLOB NOT NULL, cls INTEGER NOT NULL, slot INTEGER NOT NULL, aux BLOB NOT NULL,
                 PRIMARY KEY (inode, idx, pending)) WITHOUT ROWID;
-            INSERT OR IGNORE INTO target VALUES ('format', 1), ('block', 65536);
+            CREATE TABLE IF NOT EXISTS unsynced(
+                seq INTEGER PRIMARY KEY, inode INTEGER NOT NULL, idx INTEGER NOT NULL, version INTEGER NOT NULL);
+            INSERT OR IGNORE INTO target VALUES ('format', 1), ('block', 65536), ('syncs', 0);
             """
         )
         fmt = dict(self._db.execute("SELECT key, value FROM target"))
-        if fmt != {"format": _FORMAT, "block": BLOCK}:
+        if (fmt.get("format"), fmt.get("block")) != (_FORMAT, BLOCK):
             raise KvfsError(f"target {self.root} has unsupported format {fmt}", errno.EINVAL)
         self._files = {c: self._open_slot_file(c) for c in range(MIN_CLASS_LOG2, MAX_CLASS_LOG2 + 1)}
+        self._drop_torn_versions()
         self._load()
         if fsync:
             for d in (self.root, self.root / "data"):
@@ -226,6 +245,44 @@ class ChunkEngine:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         size = 1 << cls
         return _SlotFile(path, fd, size, os.fstat(fd).st_size // size, [])
+
+    def _drop_torn_versions(self) -> None:
+        """After a crash in write-back mode, check every version staged since the last sync: a power loss may
+        have kept its row but not all of its data. A torn committed version gives way to the synced one it
+        superseded (a torn pending one, or one newer than a restored one, is dropped: the chain resyncs it), so
+        nothing a sync covered is lost. Then everything is synced and no superseded version is needed."""
+        leftovers = "SELECT 1 FROM unsynced UNION ALL SELECT 1 FROM versions WHERE pending=2"
+        if self._db.execute(leftovers).fetchone() is None:
+            return
+        rows = self._db.execute(
+            "SELECT v.inode, v.idx, v.pending, v.version, v.length, v.crc, v.block_crcs, v.cls, v.slot"
+            " FROM unsynced u JOIN versions v ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version"
+            " AND v.pending < 2"
+        ).fetchall()
+        statements: list[tuple[str, tuple]] = []
+        for inode, idx, pending, version, length, crc, blob, cls, slot in rows:
+            try:
+                self._read_verified(_Version(version, length, crc, array("I", blob), cls, slot), 0,
+                                    memoryview(bytearray(length)))
+                continue
+            except ChecksumMismatch:
+                pass
+            if pending:
+                log.warning("target %s: chunk (%d, %d) v%d was torn by a crash before a sync; dropped it",
+                            self.root, inode, idx, version)
+                statements.append(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", (inode, idx)))
+            else:
+                log.warning("target %s: chunk (%d, %d) v%d was torn by a crash before a sync; back at the version"
+                            " the last sync made durable (if any)", self.root, inode, idx, version)
+                statements += [
+                    ("DELETE FROM versions WHERE inode=? AND idx=? AND pending<2", (inode, idx)),
+                    ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=2", (inode, idx)),
+                ]
+        if self._fsync:
+            for f in self._files.values():  # what was checked came from the page cache: make it what the disk holds
+                os.fdatasync(f.fd)
+        self._execute(*statements, ("DELETE FROM versions WHERE pending=2", ()), ("DELETE FROM unsynced", ()),
+                      durable=True)
 
     def _load(self) -> None:
         """Rebuild the index from the rows; every slot no row names is free."""
@@ -245,7 +302,13 @@ class ChunkEngine:
             f.free = [s for s in range(f.total - 1, -1, -1) if (cls, s) not in used]
 
     def close(self) -> None:
-        """Release files and the target lock; the engine is unusable afterwards."""
+        """Sync, then release files and the target lock; the engine is unusable afterwards."""
+        try:
+            self.sync()
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
         self._db.close()
         self._mappings.clear()  # each mapping goes when the last view of it does
         for f in self._files.values():
@@ -289,6 +352,14 @@ class ChunkEngine:
             return
         self._files[cls].free.append(slot)
         self._used -= 1 << cls
+
+    def _retire(self, v: _Version, durable: bool) -> None:
+        """Free the slot of a version whose row a transaction just dropped. While that transaction may still be
+        undone by a power loss, the row may come back, so the slot stays out of use until a durable one."""
+        if durable:
+            self._free(v.cls, v.slot)
+        else:
+            self._undurable_frees.append((v.cls, v.slot))
 
     def _pin(self, v: _Version) -> None:
         if v.slot >= 0:
@@ -459,24 +530,35 @@ class ChunkEngine:
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
     ) -> ChunkMeta:
-        with self._lock:
-            entry = self._entry(cid) or _Entry()
-            old = entry.committed or _EMPTY
-            if new_len is None:
-                new_len = len(data) if full_replace else max(old.length, offset + len(data))
-            origin = (offset, len(data), crc, new_len)
-            for v in (entry.pending, entry.committed):
-                if not force and v is not None and v.version == version and v.origin == origin:
-                    return self._meta(cid, v, entry)
-            if not force and version <= old.version:
-                raise StaleVersion(f"chunk {cid}: v{version} is not newer than committed v{old.version}")
-            cls, slot = self._alloc(new_len)
-            self._pin(old)
+        for last_try in (False, True):
+            with self._lock:
+                entry = self._entry(cid) or _Entry()
+                old = entry.committed or _EMPTY
+                if new_len is None:
+                    new_len = len(data) if full_replace else max(old.length, offset + len(data))
+                origin = (offset, len(data), crc, new_len)
+                for v in (entry.pending, entry.committed):
+                    if not force and v is not None and v.version == version and v.origin == origin:
+                        return self._meta(cid, v, entry)
+                if not force and version <= old.version:
+                    raise StaleVersion(f"chunk {cid}: v{version} is not newer than committed v{old.version}")
+                try:
+                    cls, slot = self._alloc(new_len)
+                except KvfsError as e:
+                    if e.errno != errno.ENOSPC or last_try or not (self._undurable_frees or self._superseded):
+                        raise
+                else:
+                    self._pin(old)
+                    break
+            self.sync()  # frees the slots that wait for a durable transaction; then try once more
         try:
             try:
                 blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks)
-                if self._fsync:
+                if self._fsync and self._write_through:
                     os.fdatasync(self._files[cls].fd)
+                elif self._write_back:
+                    with self._lock:
+                        self._dirty_classes.add(cls)
             finally:
                 self._release(old)
             whole = crc if full_replace or (offset == 0 and len(data) == new_len) else fold_crc(blocks, new_len)
@@ -495,46 +577,53 @@ class ChunkEngine:
             committed = entry.committed.version if entry.committed else 0
             if not force and v.version <= committed:
                 raise StaleVersion(f"chunk {cid}: v{v.version} is not newer than committed v{committed}")
-            self._execute((
+            statements = [(
                 "INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
                 (cid.inode, cid.index, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux),
-            ))
+            )]
+            if self._write_back:
+                statements.append(("INSERT INTO unsynced VALUES (?, ?, ?, ?)",
+                                   (self._seq + 1, cid.inode, cid.index, v.version)))
+            durable = self._execute(*statements, durable=self._write_through)
             with self._lock:
+                if self._write_back:
+                    self._seq += 1
+                    self._last_seq[cid] = self._seq
                 entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
                 if entry.pending is not None:
-                    self._free(entry.pending.cls, entry.pending.slot)
+                    self._retire(entry.pending, durable)
                 entry.pending = v
                 return self._meta(cid, v, entry)
 
-    def _execute(self, *statements: tuple[str, tuple], durable: bool = True) -> None:
+    def _execute(self, *statements: tuple[str, tuple], durable: bool) -> bool:
         """Run statements as one transaction (the caller holds ``_db_lock``); a full disk becomes ENOSPC with
         nothing changed. ``durable=False`` leaves out its fsync (see "Crash safety"); a durable one also makes
-        every earlier one durable, so the slots those dropped become free."""
+        every earlier one durable, so the slots those dropped become free. Returns whether it is durable (always,
+        without fsync: nothing survives a power loss then anyway)."""
         lazy = self._fsync and not durable
         try:
-            if lazy:
-                self._db.execute("PRAGMA synchronous=NORMAL")
+            if self._fsync and self._synchronous != ("NORMAL" if lazy else "FULL"):
+                self._synchronous = "NORMAL" if lazy else "FULL"
+                self._db.execute(f"PRAGMA synchronous={self._synchronous}")
+            self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    for sql, args in statements:
-                        self._db.execute(sql, args)
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-            finally:
-                if lazy:
-                    self._db.execute("PRAGMA synchronous=FULL")
+                for sql, args in statements:
+                    self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
         except sqlite3.OperationalError as e:
             if "full" in str(e):
                 raise _enospc(f"metadata of target {self.root}: {e}") from e
             raise KvfsError(f"metadata of target {self.root}: {e}", errno.EIO) from e
+        self._db_dirty = lazy
         if not lazy and self._undurable_frees:
             with self._lock:
                 for cls, slot in self._undurable_frees:
                     self._free(cls, slot)
                 self._undurable_frees.clear()
+        return not lazy
 
     def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkMeta:
         """Make pending ``version`` the committed one (atomic); idempotent once it is committed.
@@ -547,18 +636,55 @@ class ChunkEngine:
                     return self._meta(chunk_id, entry.committed, entry)
                 raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
             key = (chunk_id.inode, chunk_id.index)
-            self._execute(
-                ("DELETE FROM versions WHERE inode=? AND idx=? AND pending=0", key),
+            old = entry.committed
+            # Write-back keeps the last synced committed version until a sync, for a power loss to fall back to.
+            keep = self._write_back and old is not None and chunk_id not in self._superseded
+            durable = self._execute(
+                (f"{'UPDATE versions SET pending=2' if keep else 'DELETE FROM versions'}"
+                 " WHERE inode=? AND idx=? AND pending=0", key),
                 ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key),
-                durable=durable,
+                durable=durable and self._write_through,
             )
             with self._lock:
-                if entry.committed is not None and self._fsync and not durable:
-                    self._undurable_frees.append((entry.committed.cls, entry.committed.slot))
-                elif entry.committed is not None:
-                    self._free(entry.committed.cls, entry.committed.slot)
+                if keep:
+                    self._superseded[chunk_id] = old
+                elif old is not None:
+                    self._retire(old, durable)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
+
+    def sync(self) -> None:
+        """Make every version staged, committed or removed before this call durable (a client's fsync, a periodic
+        flush, close). Cheap when nothing changed; without write-back only the chain's lazy commits need it."""
+        if not self._fsync:
+            return
+        with self._sync_lock:
+            with self._db_lock, self._lock:
+                if not (self._dirty_classes or self._db_dirty or self._superseded):
+                    return
+                classes, self._dirty_classes = self._dirty_classes, set()
+                upto = self._seq
+            try:
+                for cls in sorted(classes):
+                    os.fdatasync(self._files[cls].fd)
+            except OSError:
+                with self._lock:  # still not durable: the next sync tries again (its rows stay listed meanwhile)
+                    self._dirty_classes |= classes
+                raise
+            with self._db_lock:
+                with self._lock:  # chunks staged after the snapshot keep their fallback until the next sync
+                    released = [(cid, v) for cid, v in self._superseded.items() if self._last_seq.get(cid, 0) <= upto]
+                self._execute(
+                    ("DELETE FROM unsynced WHERE seq <= ?", (upto,)),
+                    ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ()),  # fsyncs the WAL even if idle
+                    *(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=2", tuple(c)) for c, _ in released),
+                    durable=True,
+                )
+                with self._lock:
+                    for cid, v in released:
+                        del self._superseded[cid]
+                        self._free(v.cls, v.slot)
+                    self._last_seq = {cid: seq for cid, seq in self._last_seq.items() if seq > upto}
 
     def abort(self, chunk_id: ChunkId, version: int) -> None:
         """Drop pending ``version`` if it is there (idempotent)."""
@@ -566,9 +692,10 @@ class ChunkEngine:
             entry = self._entry(chunk_id)
             if entry is None or entry.pending is None or entry.pending.version != version:
                 return
-            self._execute(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", tuple(chunk_id)))
+            durable = self._execute(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", tuple(chunk_id)),
+                                    durable=self._write_through)
             with self._lock:
-                self._free(entry.pending.cls, entry.pending.slot)
+                self._retire(entry.pending, durable)
                 entry.pending = None
                 self._forget_if_empty(chunk_id, entry)
 
@@ -726,14 +853,14 @@ class ChunkEngine:
     def _remove(self, where: str, args: tuple, ids: list[ChunkId]) -> int:
         with self._db_lock:
             ids = [c for c in ids if self._entry(c) is not None]
-            if ids:
-                self._execute((f"DELETE FROM versions WHERE {where}", args))
+            durable = bool(ids) and self._execute((f"DELETE FROM versions WHERE {where}", args),
+                                                  durable=self._write_through)
             with self._lock:
                 for cid in ids:
                     entry = self._entry(cid)
-                    for v in (entry.committed, entry.pending):
+                    for v in (entry.committed, entry.pending, self._superseded.pop(cid, None)):
                         if v is not None:
-                            self._free(v.cls, v.slot)
+                            self._retire(v, durable)
                     entry.committed = entry.pending = None
                     self._forget_if_empty(cid, entry)
             return len(ids)

@@ -41,7 +41,9 @@ def serve_chunkserver(
         with contextlib.ExitStack() as stack:
             engines = {
                 target_id_for(node_id, i): stack.enter_context(
-                    ChunkEngine(Path(path), fsync=config.chunkserver.fsync, capacity_bytes=config.chunkserver.capacity_bytes)
+                    ChunkEngine(Path(path), fsync=config.chunkserver.fsync,
+                                write_through=config.chunkserver.write_through,
+                                capacity_bytes=config.chunkserver.capacity_bytes)
                 )
                 for i, path in enumerate(targets)
             }
@@ -51,7 +53,7 @@ def serve_chunkserver(
                                  call_timeout=timeouts.call, transport=transport) as rpc:
                 chunkserver = ChunkServer(
                     node_id, listen, engines, rpc, MgmtdClient(rpc, config.mgmtd),
-                    heartbeat_interval=timeouts.heartbeat_interval,
+                    heartbeat_interval=timeouts.heartbeat_interval, sync_interval=config.chunkserver.sync_interval,
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(

@@ -912,8 +912,10 @@ class KvfsOperations(pyfuse3.Operations):
         st = h.state
         await self._flush_inode(st)
         self._raise_error(h)
-        if self.dirops is not None:  # the file's create, if answered here, is durable once applied
-            await self.dirops.settled()
+        async with one_error(), trio.open_nursery() as nursery:
+            nursery.start_soon(self.storage.sync, st.ino)  # chunk servers acknowledge from their page cache
+            if self.dirops is not None:  # the file's create, if answered here, is durable once applied
+                nursery.start_soon(self.dirops.settled)
         if h.session is not None:
             await self.meta.set_length(h.caller, st.ino, h.session, st.size)
             self._attributes_changed_here(st.ino)

@@ -162,10 +162,12 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
 @click.option("--targets-per-server", default=1, show_default=True, type=click.IntRange(1, 16),
               help="Storage targets per chunk server; chains = servers x targets / replicas.")
 @click.option("--fsync/--no-fsync", default=True, show_default=True,
-              help="Chunk servers make every write durable before acknowledging it (--no-fsync: faster, "
-                   "but a power loss can lose acknowledged writes).")
+              help="Chunk servers flush to disk: at each client fsync and every few seconds, or every write with "
+                   "--write-through (--no-fsync: never; a power loss can lose any acknowledged write).")
+@click.option("--write-through", is_flag=True,
+              help="Flush every write before acknowledging it (default: write-back, durable at fsync).")
 def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets_per_server: int,
-           fsync: bool) -> None:
+           fsync: bool, write_through: bool) -> None:
     """Start (or restart what is not running of) a local cluster and mount it."""
     from pathlib import Path
 
@@ -173,7 +175,8 @@ def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets
 
     cluster = LocalCluster(Path(data))
     layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo,
-                                              targets_per_server=targets_per_server, fsync=fsync))
+                                              targets_per_server=targets_per_server, fsync=fsync,
+                                              write_through=write_through))
     click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
     kvfs = _this_command()
     click.echo(f"  client config: {cluster.client_config_path}")

@@ -45,7 +45,12 @@ class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     targets: list[str] = []
+    #: False: never flush to disk (tests, scratch clusters); nothing survives a power loss.
     fsync: bool = True
+    #: True: flush every write before acknowledging it. False (write-back): acknowledge from the page cache and
+    #: flush at a client's fsync and every ``sync_interval`` seconds; a power loss loses at most the writes since.
+    write_through: bool = False
+    sync_interval: float = 5.0
     capacity_bytes: int | None = None
 
 

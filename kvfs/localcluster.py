@@ -90,7 +90,8 @@ class LocalCluster:
     # ------------------------------------------------------------------------------ bookkeeping
 
     def _init(
-        self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1, fsync: bool = True
+        self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1, fsync: bool = True,
+        write_through: bool = False,
     ) -> tuple[ClusterConfig, LocalLayout]:
         if self.layout_path.exists():
             layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
@@ -115,7 +116,7 @@ class LocalCluster:
         config = ClusterConfig(
             token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
             timeouts=Timeouts(heartbeat_interval=0.5, heartbeat_timeout=3.0, lease=3.0),
-            chunkserver=ChunkServerSection(fsync=fsync),
+            chunkserver=ChunkServerSection(fsync=fsync, write_through=write_through),
         )
         save_config(config, self.config_path)
         save_config(ClusterConfig(token=config.token, mgmtd=config.mgmtd, meta=config.meta), self.client_config_path)
@@ -175,15 +176,16 @@ class LocalCluster:
 
     def up(
         self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True,
-        targets_per_server: int = 1, fsync: bool = True,
+        targets_per_server: int = 1, fsync: bool = True, write_through: bool = False,
     ) -> LocalLayout:
         """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient).
 
-        The sizes (chunk servers, replicas, targets per server) and ``fsync`` apply when the directory is new; a
-        restart keeps what it was created with (``fsync`` lives in ``cluster.toml``'s ``[chunkserver]``)."""
+        The sizes (chunk servers, replicas, targets per server), ``fsync`` and ``write_through`` apply when the
+        directory is new; a restart keeps what it was created with (they live in ``cluster.toml``'s
+        ``[chunkserver]``)."""
         from fuse.mount import force_unmount, is_mounted
 
-        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync)
+        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through)
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails

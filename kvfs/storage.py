@@ -33,6 +33,9 @@ class FileStorage(Protocol):
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""
 
+    async def sync(self, ino: int) -> None:
+        """Make the writes and truncations this client made to ``ino`` durable (fsync)."""
+
     async def remove_files(self, inodes: list[int]) -> None:
         """Free every chunk of these files (garbage collection of removed files: a batch per call)."""
 

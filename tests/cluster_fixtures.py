@@ -54,14 +54,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
         time.sleep(interval)
 
 
-def chunks_held(data: Path, inodes: list[int]) -> int:
-    """Chunk versions the cluster's targets still hold of these inodes (read beside the running engines: WAL)."""
+def chunks_held(data: Path, inodes: list[int], table: str = "versions") -> int:
+    """Chunk versions the cluster's targets still hold of these inodes (read beside the running engines: WAL);
+    ``table="unsynced"``: those acknowledged but not yet flushed to disk."""
     held = 0
     for db in data.glob("targets/**/chunks.sqlite"):
         conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         try:
             marks = ",".join("?" * len(inodes))
-            held += conn.execute(f"SELECT count(*) FROM versions WHERE inode IN ({marks})", inodes).fetchone()[0]
+            held += conn.execute(f"SELECT count(*) FROM {table} WHERE inode IN ({marks})", inodes).fetchone()[0]
         finally:
             conn.close()
     return held

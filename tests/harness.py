@@ -112,11 +112,15 @@ class Cluster:
         self.processes.kill(self.chunkservers[node_id][1])
 
 
-def write_config(path: Path, capacity_bytes: int | None = None, **timeouts: float) -> Path:
-    """A cluster config with short timeouts (fast failover in tests) and no fsync (tests need no power-loss safety)."""
+def write_config(path: Path, capacity_bytes: int | None = None, sync_interval: float | None = None,
+                 **timeouts: float) -> Path:
+    """A cluster config with short timeouts (fast failover in tests) and no fsync (tests need no power-loss
+    safety), unless ``sync_interval`` is given: then write-back chunk servers that flush that often (0: only
+    when a client syncs)."""
     settings = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0, "lease": 1.0, "call": 10.0, "connect": 1.0}
     settings.update(timeouts)
-    capacity = f"capacity_bytes = {capacity_bytes}\n" if capacity_bytes else ""
+    chunkserver = f"capacity_bytes = {capacity_bytes}\n" if capacity_bytes else ""
+    chunkserver += "fsync = false\n" if sync_interval is None else f"sync_interval = {sync_interval}\n"
     path.write_text("[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
-                    + f"\n[chunkserver]\nfsync = false\n{capacity}\n[meta-service]\ngc_interval = 0.3\n")
+                    + f"\n[chunkserver]\n{chunkserver}\n[meta-service]\ngc_interval = 0.3\n")
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -197,6 +198,62 @@ def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_pat
         assert e.local_location(f)[1] == first
     with ChunkEngine(tmp_path / "t") as e:
         assert [content(e, x) for x in (C, d, f)] == [b"b" * 100, b"c" * 100, b"d" * 100]
+
+
+def unsynced(root: Path) -> list[tuple[int, int, int]]:
+    """(inode, index, version) of the versions a power loss could still tear, read as another process would."""
+    db = sqlite3.connect(root / "chunks.sqlite")
+    try:
+        return db.execute("SELECT inode, idx, version FROM unsynced ORDER BY seq").fetchall()
+    finally:
+        db.close()
+
+
+def test_write_back_keeps_the_synced_version_until_the_next_sync(tmp_path: Path) -> None:
+    """Write-back acknowledges from the page cache: each version staged since the last sync is listed for a check
+    after a crash, and the last synced committed version keeps its slot as the fallback; a sync ends both."""
+    root = tmp_path / "t"
+    with ChunkEngine(root, write_through=False) as e:
+        put(e, C, 1, 0, b"a" * 100)
+        e.sync()
+        assert unsynced(root) == [] and e.space()[1] == 1 << 16
+        put(e, C, 2, 0, b"b" * 100)
+        put(e, C, 3, 0, b"c" * 100)
+        assert unsynced(root) == [(C.inode, C.index, 2), (C.inode, C.index, 3)]
+        assert e.space()[1] == 3 << 16  # v1 (the fallback), v3, and v2's slot until its removal is durable
+        e.sync()
+        assert unsynced(root) == [] and e.space()[1] == 1 << 16 and content(e, C) == b"c" * 100
+        put(e, C, 4, 0, b"d" * 100)
+    assert unsynced(root) == []  # close syncs
+    with ChunkEngine(root, write_through=False) as e:
+        assert content(e, C) == b"d" * 100 and e.space()[1] == 1 << 16
+
+
+def test_write_back_falls_back_to_the_synced_version_when_a_crash_tore_a_newer_one(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    e = ChunkEngine(root, write_through=False)
+    put(e, C, 1, 0, b"a" * 100)
+    put(e, ChunkId(8, 0), 1, 0, b"x" * 100)
+    e.sync()
+    put(e, C, 2, 0, b"b" * 100)
+    e.write_pending(C, 3, 0, b"c" * 100, crc32c(b"c" * 100), chunk_size=CS)
+    path, offset, _, _ = e.local_location(C)
+    e._close_files()  # a crash: nothing synced
+    with open(path, "r+b") as f:  # a power loss kept v2's row but not its data
+        f.seek(offset)
+        f.write(b"\0")
+    with ChunkEngine(root, write_through=False) as e:
+        assert e.meta(C).version == 1 and e.meta(C).pending_version is None and content(e, C) == b"a" * 100
+        assert content(e, ChunkId(8, 0)) == b"x" * 100 and e.space()[1] == 2 << 16
+        assert unsynced(root) == []
+
+
+def test_write_back_sync_frees_space_instead_of_failing(tmp_path: Path) -> None:
+    """Superseded versions and not yet durable frees hold slots until a sync: a full target syncs, not ENOSPC."""
+    with ChunkEngine(tmp_path / "t", write_through=False, capacity_bytes=3 << 16) as e:
+        for v in range(1, 20):
+            put(e, C, v, 0, bytes([v]) * 100)
+        assert content(e, C) == bytes([19]) * 100
 
 
 def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:

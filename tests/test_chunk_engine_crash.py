@@ -1,20 +1,27 @@
 """Kill -9 a process that writes chunk versions at random instants; every reopen must find each
 chunk at exactly one complete committed version, never older than the last one it reported.
 
-Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT``.
+In write-back mode the child acknowledges versions before they are on disk and syncs now and then: the
+checker then also plays a power loss, tearing the data of versions staged since the last sync, and the
+reopened engine must fall back to complete versions no older than the last sync.
+
+Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT [write-back]``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from crc32c import crc32c
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,13 +57,16 @@ def apply(k: int, v: int, old: bytes) -> bytes:
     return bytes(new)
 
 
-def child(root: Path) -> None:
-    e = ChunkEngine(root)
+def child(root: Path, write_back: bool) -> None:
+    e = ChunkEngine(root, write_through=not write_back)
     for cid in CHUNKS:  # resolve leftovers from the last crash the way a replication layer may
         m = e.meta(cid)
         if m is not None and m.pending_version is not None:
             e.abort(cid, m.pending_version)
-    while True:
+    for rounds in itertools.count(1):
+        if write_back and rounds % 3 == 0:
+            e.sync()
+            print("sync", flush=True)
         for k, cid in enumerate(CHUNKS):
             m = e.meta(cid)
             v = (m.version if m else 0) + 1
@@ -81,6 +91,23 @@ class Model:
         return history[v]
 
 
+def tear_unsynced(root: Path, rng: random.Random) -> None:
+    """What a power loss may leave: rows of versions staged since the last sync, but not all of their data."""
+    db = sqlite3.connect(root / "chunks.sqlite")
+    try:
+        rows = db.execute(
+            "SELECT v.cls, v.slot, v.length FROM unsynced u JOIN versions v"
+            " ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version AND v.pending < 2"
+        ).fetchall()
+    finally:
+        db.close()
+    for cls, slot, length in rows:
+        if length and rng.random() < 0.5:
+            with open(root / "data" / f"{cls:02d}.dat", "r+b") as f:
+                f.seek((slot << cls) + rng.randrange(length))
+                f.write(b"\xff")  # neither a payload byte nor zero fill
+
+
 def check(root: Path, reported: dict[int, int], model: Model) -> None:
     with ChunkEngine(root, fsync=False) as e:
         used = 0
@@ -102,14 +129,16 @@ def check(root: Path, reported: dict[int, int], model: Model) -> None:
         assert e.space()[1] == used  # no slot leaked or double-booked
 
 
-def test_sigkill_at_random_instants(tmp_path: Path) -> None:
+@pytest.mark.parametrize("write_back", [False, True], ids=["write-through", "write-back+power-loss"])
+def test_sigkill_at_random_instants(tmp_path: Path, write_back: bool) -> None:
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    model, reported, commits = Model(), {}, 0
-    deadline = time.monotonic() + 40
+    model, reported, synced, commits = Model(), {}, {}, 0
+    deadline = time.monotonic() + 30
     for _ in range(20):
         if time.monotonic() > deadline:
             break
-        proc = subprocess.Popen([sys.executable, __file__, str(tmp_path)], stdout=subprocess.PIPE)
+        argv = [sys.executable, __file__, str(tmp_path)] + (["write-back"] if write_back else [])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
         lines: list[bytes] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
         reader.start()
@@ -118,13 +147,19 @@ def test_sigkill_at_random_instants(tmp_path: Path) -> None:
         proc.wait()
         reader.join()
         for line in lines:
-            if line.endswith(b"\n"):
+            if line == b"sync\n":
+                synced = dict(reported)
+            elif line.endswith(b"\n"):
                 k, v = map(int, line.split())
                 reported[k] = v
                 commits += 1
+        if write_back:
+            tear_unsynced(tmp_path, rng)
+            reported = dict(synced)  # what survives a power loss: versions that a sync covered
         check(tmp_path, reported, model)
+        synced = dict(reported)  # the reopen synced what it kept
     assert commits > 0
 
 
 if __name__ == "__main__":
-    child(Path(sys.argv[1]))
+    child(Path(sys.argv[1]), write_back=sys.argv[2:] == ["write-back"])

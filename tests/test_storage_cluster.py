@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
+from pathlib import Path
 
 import pytest
 import trio
@@ -13,6 +15,7 @@ from chunkserver import protocol as p
 from chunkserver.client import StorageClient
 from craq.messages import ChunkId, TargetState
 from craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+from kvfs.errors import StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs import wire
 from kvfs.wire import Empty, Limits
@@ -206,6 +209,45 @@ async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
         await meta.unlink(ROOT, 1, b"doomed")
         with trio.fail_after(15):  # the meta service's collector removes the chunks everywhere
             while (await storage.last_chunk(ino))[0] != -1:
+                await trio.sleep(0.1)
+
+
+def unsynced_rows(target: Path) -> int:
+    """Versions a target acknowledged but has not made durable, read beside the running chunk server."""
+    db = sqlite3.connect(target / "chunks.sqlite")
+    try:
+        return db.execute("SELECT count(*) FROM unsynced").fetchone()[0]
+    finally:
+        db.close()
+
+
+async def test_a_client_sync_makes_its_writes_durable_on_every_replica(processes, tmp_path):
+    """Write-back chunk servers acknowledge from the page cache; the client's sync (a file's fsync) flushes every
+    replica of the chains the file's writes reached, and only when there is something to flush."""
+    cluster = await start_cluster(processes, tmp_path, sync_interval=0)
+    targets = [tmp_path / f"cs{node}" for node in (1, 2, 3)]
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        await storage.sync(7)  # nothing written: no call
+        data = os.urandom(3 << 20)
+        await storage.write(7, LAYOUT, 0, data)
+        assert [unsynced_rows(t) for t in targets] == [3, 3, 3]
+        await storage.sync(7)
+        assert [unsynced_rows(t) for t in targets] == [0, 0, 0]
+        out = bytearray(len(data))
+        await storage.read(7, LAYOUT, 0, memoryview(out))
+        assert out == data
+        with pytest.raises(StaleRouting):  # a target this server does not hold
+            await rpc.call(cluster.chunkservers[1][0], p.SYNC, p.SyncTargets([99_999]))
+
+
+async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
+    cluster = await start_cluster(processes, tmp_path, sync_interval=0.2)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        await storage.write(8, LAYOUT, 0, os.urandom(2 << 20))
+        with trio.fail_after(10):
+            while any(unsynced_rows(tmp_path / f"cs{node}") for node in (1, 2, 3)):
                 await trio.sleep(0.1)
 
 

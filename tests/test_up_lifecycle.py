@@ -107,6 +107,27 @@ def test_up_on_a_fresh_directory_mounts_and_writes_its_state(cluster):
         assert (c.data / "targets" / f"cs{node}").is_dir()
 
 
+def test_fsync_on_the_mount_flushes_the_files_writes_on_every_replica(cluster):
+    """kvfs up's chunk servers are write-back: they acknowledge from the page cache, and a file's fsync flushes
+    every replica of what it wrote (their own flush, every 5 s, may come first: then the write is redone)."""
+    path = cluster.mount / "durable"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        ino = os.fstat(fd).st_ino
+        for _ in range(5):
+            os.pwrite(fd, os.urandom(3 << 20), 0)
+            os.close(os.open(path, os.O_RDONLY))  # a close(2) sends the mount's buffers to the chunk servers
+            unflushed = chunks_held(cluster.data, [ino], "unsynced")
+            if unflushed:
+                break
+        assert unflushed >= 3  # a version of a chunk on each replica, at least
+        os.fsync(fd)
+        assert chunks_held(cluster.data, [ino], "unsynced") == 0
+    finally:
+        os.close(fd)
+    os.unlink(path)
+
+
 def test_status_json_lists_processes_targets_and_chains(cluster):
     c = cluster
     r = c.kvfs("status", "--data", str(c.data), "--json")
