@@ -95,6 +95,8 @@ def tear_unsynced(root: Path, rng: random.Random) -> None:
     """What a power loss may leave: rows of versions staged since the last sync, but not all of their data."""
     db = sqlite3.connect(root / "chunks.sqlite")
     try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'unsynced'").fetchone() is None:
+            return  # the child was killed before its engine made its tables
         rows = db.execute(
             "SELECT v.cls, v.slot, v.length FROM unsynced u JOIN versions v"
             " ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version AND v.pending < 2"
