@@ -125,6 +125,7 @@ class _Version:
     slot: int
     origin: tuple | None = None  # (offset, len, crc, new_len) of the write that made it, for retransmits
     aux: bytes = b""  # the replication layer's record for this version (e.g. its idempotency table)
+    seq: int = 0  # write-back: its number in table unsynced; synced once a sync has covered it (0: synced)
 
 
 _EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
@@ -200,6 +201,7 @@ class ChunkEngine:
         self._dirty_classes: set[int] = set()  # write-back: slot files written since the last sync
         self._db_dirty = False  # a transaction since the last fsync'ed one
         self._seq = 0  # the last unsynced staging's number
+        self._covered_upto = 0  # stagings up to this number are covered by the latest sync begun (durable at its end)
         self._sync_lock = threading.Lock()  # one sync at a time; a caller's sync starts after its call
         self._used = 0
         (self.root / "data").mkdir(parents=True, exist_ok=True)
@@ -257,27 +259,31 @@ class ChunkEngine:
         rows = self._db.execute(
             "SELECT v.inode, v.idx, v.pending, v.version, v.length, v.crc, v.block_crcs, v.cls, v.slot"
             " FROM unsynced u JOIN versions v ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version"
-            " AND v.pending < 2"
+            " AND v.pending < 2 UNION SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot"
+            " FROM versions WHERE pending=2"
         ).fetchall()
-        statements: list[tuple[str, tuple]] = []
+        torn: dict[tuple[int, int], dict[int, int]] = {}  # chunk -> {pending state: version} of its torn versions
         for inode, idx, pending, version, length, crc, blob, cls, slot in rows:
             try:
                 self._read_verified(_Version(version, length, crc, array("I", blob), cls, slot), 0,
                                     memoryview(bytearray(length)))
-                continue
             except ChecksumMismatch:
-                pass
-            if pending:
-                log.warning("target %s: chunk (%d, %d) v%d was torn by a crash before a sync; dropped it",
-                            self.root, inode, idx, version)
-                statements.append(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", (inode, idx)))
-            else:
-                log.warning("target %s: chunk (%d, %d) v%d was torn by a crash before a sync; back at the version"
-                            " the last sync made durable (if any)", self.root, inode, idx, version)
-                statements += [
-                    ("DELETE FROM versions WHERE inode=? AND idx=? AND pending<2", (inode, idx)),
-                    ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=2", (inode, idx)),
-                ]
+                torn.setdefault((inode, idx), {})[pending] = version
+        statements: list[tuple[str, tuple]] = []
+        for chunk, states in torn.items():
+            if 0 in states:  # back to the superseded version, if it is whole; what was newer goes too
+                statements.append(("DELETE FROM versions WHERE inode=? AND idx=? AND pending<2", chunk))
+                if 2 in states:
+                    fallback = "its superseded version was torn too: gone from this replica"
+                else:
+                    fallback = "back at the version the last sync made durable, if any"
+                    statements.append(("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=2", chunk))
+                log.warning("target %s: chunk %s v%d was torn by a crash before a sync; %s (the chain resyncs the"
+                            " replica)", self.root, chunk, states[0], fallback)
+            elif 1 in states:
+                statements.append(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=1", chunk))
+                log.warning("target %s: pending chunk %s v%d was torn by a crash before a sync; dropped it",
+                            self.root, chunk, states[1])
         if self._fsync:
             for f in self._files.values():  # what was checked came from the page cache: make it what the disk holds
                 os.fdatasync(f.fd)
@@ -601,7 +607,7 @@ class ChunkEngine:
             with self._lock:
                 if self._write_back:
                     self._seq += 1
-                    self._last_seq[cid] = self._seq
+                    self._last_seq[cid] = v.seq = self._seq
                 entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
                 if entry.pending is not None:
                     self._retire(entry.pending, durable)
@@ -650,19 +656,21 @@ class ChunkEngine:
                 raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
             key = (chunk_id.inode, chunk_id.index)
             old = entry.committed
-            # Write-back keeps the last synced committed version until a sync, for a power loss to fall back to.
-            keep = self._write_back and old is not None and chunk_id not in self._superseded
-            durable = self._execute(
-                (f"{'UPDATE versions SET pending=2' if keep else 'DELETE FROM versions'}"
-                 " WHERE inode=? AND idx=? AND pending=0", key),
-                ("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key),
-                durable=durable and self._write_through,
-            )
+            # Write-back keeps the newest synced committed version until a sync, for a power loss to fall back to.
+            keep = self._write_back and old is not None and old.seq <= self._covered_upto
+            dropped = self._superseded.get(chunk_id) if keep else old
+            statements = [("UPDATE versions SET pending=0 WHERE inode=? AND idx=? AND pending=1", key)]
+            if keep:
+                statements[:0] = [("DELETE FROM versions WHERE inode=? AND idx=? AND pending=2", key),
+                                  ("UPDATE versions SET pending=2 WHERE inode=? AND idx=? AND pending=0", key)]
+            else:
+                statements[:0] = [("DELETE FROM versions WHERE inode=? AND idx=? AND pending=0", key)]
+            durable = self._execute(*statements, durable=durable and self._write_through)
             with self._lock:
                 if keep:
                     self._superseded[chunk_id] = old
-                elif old is not None:
-                    self._retire(old, durable)
+                if dropped is not None:
+                    self._retire(dropped, durable)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
 
@@ -676,28 +684,30 @@ class ChunkEngine:
                 if not (self._dirty_classes or self._db_dirty or self._superseded):
                     return
                 classes, self._dirty_classes = self._dirty_classes, set()
-                upto = self._seq
+                upto, covered_before, self._covered_upto = self._seq, self._covered_upto, self._seq
             try:
                 for cls in sorted(classes):
                     os.fdatasync(self._files[cls].fd)
+                with self._db_lock:
+                    with self._lock:  # chunks staged after the snapshot keep their fallback until the next sync
+                        released = [(cid, v) for cid, v in self._superseded.items()
+                                    if self._last_seq.get(cid, 0) <= upto]
+                    self._execute(
+                        ("DELETE FROM unsynced WHERE seq <= ?", (upto,)),
+                        ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ()),  # fsyncs the WAL even if idle
+                        *(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=2", c) for c, _ in released),
+                        durable=True,
+                    )
+                    with self._lock:
+                        for cid, v in released:
+                            del self._superseded[cid]
+                            self._free(v.cls, v.slot)
+                        self._last_seq = {cid: seq for cid, seq in self._last_seq.items() if seq > upto}
             except OSError:
                 with self._lock:  # still not durable: the next sync tries again (its rows stay listed meanwhile)
                     self._dirty_classes |= classes
+                    self._covered_upto = covered_before
                 raise
-            with self._db_lock:
-                with self._lock:  # chunks staged after the snapshot keep their fallback until the next sync
-                    released = [(cid, v) for cid, v in self._superseded.items() if self._last_seq.get(cid, 0) <= upto]
-                self._execute(
-                    ("DELETE FROM unsynced WHERE seq <= ?", (upto,)),
-                    ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ()),  # fsyncs the WAL even if idle
-                    *(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=2", tuple(c)) for c, _ in released),
-                    durable=True,
-                )
-                with self._lock:
-                    for cid, v in released:
-                        del self._superseded[cid]
-                        self._free(v.cls, v.slot)
-                    self._last_seq = {cid: seq for cid, seq in self._last_seq.items() if seq > upto}
 
     def abort(self, chunk_id: ChunkId, version: int) -> None:
         """Drop pending ``version`` if it is there (idempotent)."""

@@ -10,7 +10,6 @@ Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROO
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import signal
@@ -59,14 +58,27 @@ def apply(k: int, v: int, old: bytes) -> bytes:
 
 def child(root: Path, write_back: bool) -> None:
     e = ChunkEngine(root, write_through=not write_back)
+    out = threading.Lock()
+
+    def say(line: str) -> None:
+        with out:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def syncer() -> None:  # syncs while writes go on, as a chunk server's flushes do
+        while True:
+            say("presync")  # every version reported before this line is covered by the sync that follows
+            e.sync()
+            say("sync")
+            time.sleep(random.uniform(0, 0.02))
+
     for cid in CHUNKS:  # resolve leftovers from the last crash the way a replication layer may
         m = e.meta(cid)
         if m is not None and m.pending_version is not None:
             e.abort(cid, m.pending_version)
-    for rounds in itertools.count(1):
-        if write_back and rounds % 3 == 0:
-            e.sync()
-            print("sync", flush=True)
+    if write_back:
+        threading.Thread(target=syncer, daemon=True).start()
+    while True:
         for k, cid in enumerate(CHUNKS):
             m = e.meta(cid)
             v = (m.version if m else 0) + 1
@@ -77,7 +89,7 @@ def child(root: Path, write_back: bool) -> None:
                 data = payload(v, n)
                 e.write_pending(cid, v, off, data, crc32c(data), full_replace=kind == "full", chunk_size=CS)
                 e.commit(cid, v, durable=v % 2 == 0)  # as the chain commits (no fsync), and durably
-            print(k, v, flush=True)
+            say(f"{k} {v}")
 
 
 class Model:
@@ -134,7 +146,7 @@ def check(root: Path, reported: dict[int, int], model: Model) -> None:
 @pytest.mark.parametrize("write_back", [False, True], ids=["write-through", "write-back+power-loss"])
 def test_sigkill_at_random_instants(tmp_path: Path, write_back: bool) -> None:
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    model, reported, synced, commits = Model(), {}, {}, 0
+    model, reported, synced, covered, commits = Model(), {}, {}, {}, 0
     deadline = time.monotonic() + 30
     for _ in range(20):
         if time.monotonic() > deadline:
@@ -149,8 +161,10 @@ def test_sigkill_at_random_instants(tmp_path: Path, write_back: bool) -> None:
         proc.wait()
         reader.join()
         for line in lines:
-            if line == b"sync\n":
-                synced = dict(reported)
+            if line == b"presync\n":
+                covered = dict(reported)
+            elif line == b"sync\n":
+                synced = covered
             elif line.endswith(b"\n"):
                 k, v = map(int, line.split())
                 reported[k] = v
