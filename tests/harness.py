@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -124,3 +126,26 @@ def write_config(path: Path, capacity_bytes: int | None = None, sync_interval: f
     path.write_text("[timeouts]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items())
                     + f"\n[chunkserver]\n{chunkserver}\n[meta-service]\ngc_interval = 0.3\n")
     return path
+
+
+def tear_unsynced(root: Path, rng: random.Random, share: float = 0.5) -> int:
+    """What a power loss may leave: rows of versions staged since the last sync, but not all of their data
+    (``share`` of them torn). Returns how many it tore."""
+    db = sqlite3.connect(root / "chunks.sqlite")
+    try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'unsynced'").fetchone() is None:
+            return 0  # no engine got as far as making its tables (a process killed while starting)
+        rows = db.execute(
+            "SELECT v.cls, v.slot, v.length FROM unsynced u JOIN versions v"
+            " ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version AND v.pending < 2"
+        ).fetchall()
+    finally:
+        db.close()
+    torn = 0
+    for cls, slot, length in rows:
+        if length and rng.random() < share:
+            with open(root / "data" / f"{cls:02d}.dat", "r+b") as f:
+                f.seek((slot << cls) + rng.randrange(length))
+                f.write(b"\xff")  # neither a payload byte nor zero fill
+            torn += 1
+    return torn

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, _class_for  # noqa: E402
+from harness import tear_unsynced  # noqa: E402
 
 CHUNKS = [ChunkId(3, i) for i in range(4)]
 CS = 1 << 20
@@ -101,25 +101,6 @@ class Model:
         while len(history) <= v:
             history.append(apply(k, len(history), history[-1]))
         return history[v]
-
-
-def tear_unsynced(root: Path, rng: random.Random) -> None:
-    """What a power loss may leave: rows of versions staged since the last sync, but not all of their data."""
-    db = sqlite3.connect(root / "chunks.sqlite")
-    try:
-        if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'unsynced'").fetchone() is None:
-            return  # the child was killed before its engine made its tables
-        rows = db.execute(
-            "SELECT v.cls, v.slot, v.length FROM unsynced u JOIN versions v"
-            " ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version AND v.pending < 2"
-        ).fetchall()
-    finally:
-        db.close()
-    for cls, slot, length in rows:
-        if length and rng.random() < 0.5:
-            with open(root / "data" / f"{cls:02d}.dat", "r+b") as f:
-                f.seek((slot << cls) + rng.randrange(length))
-                f.write(b"\xff")  # neither a payload byte nor zero fill
 
 
 def check(root: Path, reported: dict[int, int], model: Model) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sqlite3
 from pathlib import Path
 
 import pytest
 import trio
-from harness import TOKEN, Cluster, write_config
+from harness import TOKEN, Cluster, tear_unsynced, write_config
 
 from chunkserver import protocol as p
 from chunkserver.client import StorageClient
@@ -249,6 +250,34 @@ async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
         with trio.fail_after(10):
             while any(unsynced_rows(tmp_path / f"cs{node}") for node in (1, 2, 3)):
                 await trio.sleep(0.1)
+
+
+async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_is_resynced(processes, tmp_path):
+    """A chunk server dies with writes it acknowledged but never flushed, and its disk lacks their data (a power
+    loss of its host): it reopens at the versions its last sync made durable, the chain resyncs it, and every
+    replica ends up with the newest data."""
+    cluster = await start_cluster(processes, tmp_path, sync_interval=0)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
+        await storage.sync(9)
+        newest = os.urandom(3 << 20)
+        await storage.write(9, LAYOUT, 0, newest)
+        cluster.kill_chunkserver(3)
+        assert tear_unsynced(tmp_path / "cs3", random.Random(0), share=1.0) == 3
+        with trio.fail_after(20):  # mgmtd takes the dead target out before it comes back
+            while (await mgmtd.call(STATUS, Empty())).routing.chains[0].state_of(300) is TargetState.SERVING:
+                await trio.sleep(0.1)
+        cluster.start_chunkserver(3, cluster.chunkservers[3][0])
+        await wait_all_serving(mgmtd, 1, timeout=60)
+        out = bytearray(len(newest))
+        await storage.read(9, LAYOUT, 0, memoryview(out))
+        assert out == newest
+    processes.stop_all()
+    replicas = replica_contents(tmp_path, (1, 2, 3))
+    assert all(replica == replicas[0] for replica in replicas)
+    assert b"".join(replicas[2][(9, i)] for i in range(3)) == newest
 
 
 async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path):
