@@ -40,6 +40,7 @@ from .dirops import DirOps, Ordered
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+FLUSH_DEPTH = 2  # write flushes in flight per open file (see _start_flush)
 
 
 #: (parent, name) argument positions of the entries each namespace operation changes.
@@ -119,7 +120,7 @@ class _InodeState:
 
     def dirty(self) -> bool:
         """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
-        return any(h.buf_len or h.inflight is not None for h in self.handles)
+        return any(h.buf_len or h.flushes for h in self.handles)
 
 
 @dataclass(eq=False)
@@ -133,8 +134,8 @@ class _Handle:
     buf: bytearray = field(default_factory=bytearray)
     buf_off: int = 0
     buf_len: int = 0
-    spare: bytearray | None = None  # the other buffer of the pair, while not being flushed
-    inflight: trio.Event | None = None  # set when the background flush of the previous buffer ends
+    spares: list[bytearray] = field(default_factory=list)  # flushed buffers, for the next ones to fill
+    flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
 
 
@@ -163,6 +164,7 @@ class KvfsOperations(pyfuse3.Operations):
         attr_timeout: float = 1.0,
         negative_timeout: float = 1.0,
         write_buffer: int = 64 * MIB,
+        flush_depth: int = FLUSH_DEPTH,
         read_parallel: int = 8,
         write_parallel: int = 16,
         readdir_page: int = 512,
@@ -183,6 +185,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.negative_timeout = negative_timeout
         self.write_buffer = write_buffer
+        self.flush_depth = flush_depth
         self.read_limit = trio.CapacityLimiter(read_parallel)
         self.write_limit = trio.CapacityLimiter(write_parallel)
         self.readdir_page = readdir_page
@@ -842,40 +845,44 @@ class KvfsOperations(pyfuse3.Operations):
             self._attributes_changed_here(st.ino)
 
     async def _wait_inflight(self, h: _Handle) -> None:
-        while h.inflight is not None:
-            await h.inflight.wait()
+        while h.flushes:
+            await h.flushes[0][2].wait()
 
     async def _start_flush(self, h: _Handle) -> None:
-        """Hand the full buffer to a background task and continue in the other buffer, so the
-        writer fills one while the other travels (caller holds h.lock).  At most one flush per
-        handle is in flight, so a handle's writes reach storage in order."""
-        await self._wait_inflight(h)
+        """Hand the full buffer to a background task and continue in another, so the writer fills one while
+        others travel (caller holds h.lock). Up to ``flush_depth`` flushes of a handle are in flight, which keeps
+        the chains fed across one flush's tail; a flush that overlaps an earlier one waits for it, so the
+        handle's writes to the same bytes reach storage in order."""
         if not h.buf_len:
             return
+        lo, hi = h.buf_off, h.buf_off + h.buf_len
+        while h.flushes and (len(h.flushes) >= self.flush_depth or any(s < hi and lo < e for s, e, _ in h.flushes)):
+            await h.flushes[0][2].wait()
         if self.nursery is None:
             await self._flush_handle(h)
             self._raise_error(h)
             return
-        data, off, n = h.buf, h.buf_off, h.buf_len
-        h.buf = h.spare if h.spare is not None else bytearray()
-        h.spare = None
+        data, n = h.buf, h.buf_len
+        h.buf = h.spares.pop() if h.spares else bytearray()
         h.buf_len = 0
-        h.inflight = trio.Event()
-        self.nursery.start_soon(self._background_flush, h, data, off, n)
+        flush = (lo, hi, trio.Event())
+        h.flushes.append(flush)
+        self.nursery.start_soon(self._background_flush, h, data, flush)
 
-    async def _background_flush(self, h: _Handle, data: bytearray, off: int, n: int) -> None:
-        view = memoryview(data)[:n]
+    async def _background_flush(self, h: _Handle, data: bytearray, flush: tuple[int, int, trio.Event]) -> None:
+        off, end, done = flush
+        view = memoryview(data)[:end - off]
         try:
             await self._write_through(h, off, view)
         except Exception as e:  # noqa: BLE001 - reported to the writer at its next write/flush/fsync
-            log.warning("background flush of inode %d [%d, +%d) failed: %r", h.state.ino, off, n, e)
+            log.warning("background flush of inode %d [%d, +%d) failed: %r", h.state.ino, off, end - off, e)
             h.error = e if isinstance(e, OSError) else OSError(errno.EIO, repr(e))
         finally:
             view.release()
-            h.spare = data
-            ev, h.inflight = h.inflight, None
-            if ev is not None:
-                ev.set()
+            if len(h.spares) < self.flush_depth:
+                h.spares.append(data)
+            h.flushes.remove(flush)
+            done.set()
 
     async def _flush_handle(self, h: _Handle) -> None:
         """Write out the handle's buffer and wait for its flushes (caller holds h.lock).  A failure
@@ -896,7 +903,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     async def _flush_inode(self, st: _InodeState) -> None:
         for h in list(st.handles):
-            if h.buf_len or h.inflight is not None:
+            if h.buf_len or h.flushes:
                 async with h.lock:
                     await self._flush_handle(h)
 

@@ -16,8 +16,10 @@ import contextlib
 import errno
 import itertools
 import os
+import random
 import sys
 import threading
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +35,10 @@ from meta.client import LocalMeta
 class LocalFileStorage:
     """``kvfs.storage.FileStorage`` over a single local ChunkEngine (one replica, no chains)."""
 
-    def __init__(self, engine: ChunkEngine, *, fail_writes_from: int | None = None) -> None:
+    def __init__(self, engine: ChunkEngine, *, fail_writes_from: int | None = None, write_jitter: float = 0.0) -> None:
         self.engine = engine
         self.fail_writes_from = fail_writes_from  # tests: writes reaching this offset fail with ENOSPC
+        self.write_jitter = write_jitter  # tests: each write waits up to this long first, so writes finish out of order
         self._locks: dict[ChunkId, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -91,6 +94,8 @@ class LocalFileStorage:
         data = memoryview(data).cast("B")
         if self.fail_writes_from is not None and offset + len(data) > self.fail_writes_from:
             raise KvfsError("injected: no space", errno.ENOSPC)
+        if self.write_jitter:
+            await trio.sleep(random.uniform(0, self.write_jitter))
         await trio.to_thread.run_sync(self._write_sync, ino, layout.chunk_size, offset, data)
 
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
@@ -130,8 +135,9 @@ class StorageChunkRemover:
 
 
 # ---------------------------------------------------------------------------------- server
-def build(state_dir: Path, *, chunk_size: int | None = None, fail_writes_from: int | None = None):
-    """(meta, storage, engine) over STATE_DIR: a MetaStore on SQLite, a ChunkEngine beside it."""
+def build(state_dir: Path, *, chunk_size: int | None = None, **faults: Any):
+    """(meta, storage, engine) over STATE_DIR: a MetaStore on SQLite, a ChunkEngine beside it; ``faults`` go to
+    :class:`LocalFileStorage`."""
     from meta.kv import SqliteDatabase
     from meta.store import MetaStore
     from meta.types import Layout
@@ -146,14 +152,13 @@ def build(state_dir: Path, *, chunk_size: int | None = None, fail_writes_from: i
         root_layout=layout,
     )
     store.format(mode=0o755)
-    return LocalMeta(store), LocalFileStorage(engine, fail_writes_from=fail_writes_from), engine
+    return LocalMeta(store), LocalFileStorage(engine, **faults), engine
 
 
-async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int,
-                fail_writes_from: int | None = None) -> None:
+async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int, faults: dict) -> None:
     from fuse.mount import run_mount
 
-    meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size, fail_writes_from=fail_writes_from)
+    meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size, **faults)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: run_mount(
@@ -173,10 +178,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--write-buffer", type=int, default=8 << 20)
     p.add_argument("--fail-writes-from", type=int, default=None)
+    p.add_argument("--write-jitter", type=float, default=0.0)
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.WARNING, stream=sys.stderr)
-    trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer, a.fail_writes_from)
+    trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer,
+             {"fail_writes_from": a.fail_writes_from, "write_jitter": a.write_jitter})
 
 
 if __name__ == "__main__":

@@ -67,6 +67,30 @@ def test_large_round_trip(d):
             assert got[: len(expect)][:1000] == expect[:1000]
 
 
+def test_overlapping_writes_land_in_order_while_flushes_overlap(tmp_path):
+    """Several flushes of one file are in flight at once; one that overlaps an earlier one waits for it, so the
+    last write of each byte wins although storage finishes writes out of order (each waits up to 20 ms)."""
+    import random
+
+    rng = random.Random(7)
+    model, end = bytearray(9 * MIB), 0
+    with running_mount(tmp_path, "--chunk-size", str(CHUNK), "--write-buffer", str(2 * MIB),
+                       "--write-jitter", "0.02") as m:
+        path = fresh_dir(m) / "f"
+        with open(path, "wb", buffering=0) as f:
+            writes = [(rng.randrange(0, 7 * MIB, 256 * 1024), rng.choice((1, 2))) for _ in range(60)]
+            # Then each MiB rewritten at once, while the flush of its first write travels (gaps keep them apart).
+            writes += [(k * MIB, 1) for start in (0, 1) for k in range(start, 8, 2) for _ in range(2)]
+            for i, (off, mib) in enumerate(writes):
+                data = bytes([i % 255 + 1]) * MIB
+                for piece in range(mib):  # two 1 MiB writes in a row fill a whole buffer
+                    f.seek(off + piece * MIB)
+                    f.write(data)
+                model[off : off + mib * MIB] = data * mib
+                end = max(end, off + mib * MIB)
+        assert path.read_bytes() == bytes(model[:end])
+
+
 def test_unaligned_small_writes_and_overwrite(d):
     p = d / "f"
     data = bytearray(pattern(3 * CHUNK + 17, 1))
