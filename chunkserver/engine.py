@@ -539,10 +539,12 @@ class ChunkEngine:
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
     ) -> ChunkMeta:
+        asked_len = new_len
         for last_try in (False, True):
             with self._lock:
                 entry = self._entry(cid) or _Entry()
                 old = entry.committed or _EMPTY
+                new_len = asked_len
                 if new_len is None:
                     new_len = len(data) if full_replace else max(old.length, offset + len(data))
                 origin = (offset, len(data), crc, new_len)
