@@ -29,8 +29,8 @@ linearity: crc(A+B) = M(crc(A)) ^ crc(B), M a fixed linear map on 32 bits for le
 table lookups). A write's CRC is checked the same way, from the block CRCs it stores, so the engine
 reads a written byte once.
 
-Crash safety
-------------
+Crash safety (write-through)
+----------------------------
 A version's data is written into a slot no row names and fdatasync'ed *before* the row that
 names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit`` is one transaction
 that deletes the old committed row and turns the pending row into the committed one. A slot is
@@ -48,6 +48,18 @@ of a crash just before the commit, which the replication layer already finishes 
 persisted pending version, or resyncs the replica). The old committed version's slot stays out of
 use until a durable transaction (every ``write_pending`` is one) has made the commit durable, so a
 row that may come back never names reused space.
+
+Write-back
+----------
+With ``write_through=False`` nothing is flushed before a write is acknowledged: :meth:`sync` flushes (the
+slot files written since, then one fsync'ed transaction), and callers decide when (a client's fsync, a
+timer, ``close``). A kill -9 still loses nothing. For a power loss, two records keep what a sync covered:
+table ``unsynced`` lists every version staged since (in the transaction that publishes it), and a commit
+keeps the newest synced committed version as a ``pending = 2`` row, slot included, until the next sync.
+On open, every listed and every kept version is checked block by block: a torn pending version is dropped,
+a torn committed one gives way to the kept one (and a pending one newer than that goes too), and the
+replication layer resyncs the replica. Slots of rows dropped by a transaction not yet durable stay out of
+use until a durable one; a write that would otherwise grow the slot file makes one (an fsync of the WAL).
 """
 
 from __future__ import annotations
@@ -183,7 +195,7 @@ class ChunkEngine:
         self, root: Path, *, fsync: bool = True, write_through: bool = True, capacity_bytes: int | None = None
     ) -> None:
         """``fsync=False`` never flushes (tests, scratch space). ``write_through=False`` acknowledges writes
-        from the page cache and makes them durable at :meth:`sync` (see "Write-back")."""
+        from the page cache and makes them durable at :meth:`sync` (see "Write-back" above)."""
         self.root = Path(root)
         self._fsync = fsync
         self._write_through = write_through

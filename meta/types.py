@@ -29,9 +29,10 @@ class Layout(msgspec.Struct, frozen=True):
     """Where a file's chunks live: see :func:`meta.placement.chunk_chain`.
 
     chunk_size is a power of two in [64 KiB, 64 MiB]. The 4 MiB default is measured (README, "Performance"):
-    every chunk write costs the chunk servers a chain round, two SQLite commits and three fsyncs whatever its size,
-    so 4 MiB chunks halve their CPU per written byte against 1 MiB; larger ones gain little more, while each
-    small overwrite copies its whole chunk (copy-on-write) and so costs more the larger the chunk.
+    every chunk write costs the chunk servers a chain round and two SQLite commits whatever its size (and two
+    fsyncs with write-through chunk servers), so 4 MiB chunks halve their CPU per written byte against 1 MiB;
+    larger ones gain little more, while each small overwrite copies its whole chunk (copy-on-write) and so
+    costs more the larger the chunk.
     """
 
     chain_table: int = 1
