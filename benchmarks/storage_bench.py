@@ -1,13 +1,14 @@
 """Storage-client benchmark: chunk write and read throughput on a real local cluster, replication 3.
 
-    .venv/bin/python benchmarks/storage_bench.py [--mib-per-stream 64] [--fsync/--no-fsync]
+    .venv/bin/python benchmarks/storage_bench.py [--mib-per-stream 64] [--write-through | --no-fsync]
 
 Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount) in a temporary directory, then for
 chunk sizes of 1, 4 and 16 MiB and 1 and 8 concurrent streams (each stream its own file, whole-chunk
-writes) measures write and read GB/s through :class:`chunkserver.client.StorageClient`, beside a plain
-loopback socket pump measured in the same run, and prints the ratios. Every byte written is replicated
-three times, so the network carries 3x the write figure. On one host the three replicas share one disk, so the
-disk's own fsync'ed write rate (``pwrite`` + ``fdatasync`` of the same chunk size, measured in the same run and
+writes, each stream's file synced at its end as a file's fsync does) measures write and read GB/s through
+:class:`chunkserver.client.StorageClient`, beside a plain loopback socket pump measured in the same run, and
+prints the ratios. Every byte written is replicated three times, so the network carries 3x the write figure.
+With ``--write-through`` chunk servers flush every write, and the three replicas share one disk, so the disk's
+own fsync'ed write rate (``pwrite`` + ``fdatasync`` of the same chunk size, measured in the same run and
 directory) divided by 3 is the ceiling for replicated writes; the last columns compare against it.
 """
 
@@ -45,6 +46,7 @@ async def measure(config, chunk_size: int, streams: int, per_stream: int) -> tup
         async def writer(i: int) -> None:
             for c in range(chunks):
                 await storage.write(base + i, layout, c * chunk_size, payload)
+            await storage.sync(base + i)
 
         async def reader(i: int) -> None:
             buf = memoryview(bytearray(chunk_size))
@@ -82,7 +84,8 @@ def main() -> None:
     parser.add_argument("--mib-per-stream", type=int, default=64)
     parser.add_argument("--targets-per-server", type=int, default=1, help="storage targets (chains) per server")
     parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True,
-                        help="chunk servers fsync every write (the durable default)")
+                        help="chunk servers flush to disk (the default: at each stream's sync); --no-fsync: never")
+    parser.add_argument("--write-through", action="store_true", help="chunk servers flush every write")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -91,21 +94,22 @@ def main() -> None:
     pump_port = queue.get(timeout=30)
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
         cluster = LocalCluster(Path(tmp) / "cluster")
-        cluster._init(Path(tmp) / "mnt", 3, 3, args.targets_per_server, args.fsync)
+        cluster._init(Path(tmp) / "mnt", 3, 3, args.targets_per_server, args.fsync, args.write_through)
         config = load_config(cluster.config_path)
         try:
             cluster.up(Path(tmp) / "mnt", mounted=False, echo=lambda *a: None)
             rows = []
             for chunk_size in CHUNK_SIZES:
                 ceiling = plain_pump(pump_port, chunk_size, 1.5) / 1e9
-                disk = disk_write_rate(Path(tmp), chunk_size) / 1e9 if args.fsync else float("nan")
+                disk = disk_write_rate(Path(tmp), chunk_size) / 1e9 if args.write_through else float("nan")
                 for streams in (1, 8):
                     write, read = trio.run(measure, config, chunk_size, streams, args.mib_per_stream << 20)
                     rows.append((chunk_size, streams, write, read, ceiling, disk / 3))
         finally:
             cluster.down(echo=lambda *a: None)
             pump.terminate()
-    print(f"replication 3, {args.targets_per_server} target(s) per server, fsync={'on' if args.fsync else 'off'},"
+    flushes = "every write" if args.write_through else "at sync" if args.fsync else "never"
+    print(f"replication 3, {args.targets_per_server} target(s) per server, chunk servers flush {flushes},"
           f" {args.mib_per_stream} MiB per stream")
     print(f"{'chunk':>6} {'streams':>7} {'write GB/s':>11} {'read GB/s':>10} {'socket pump GB/s':>17}"
           f" {'write/pump':>11} {'read/pump':>10} {'disk fsync/3 GB/s':>18} {'write/(disk/3)':>15}")
