@@ -76,8 +76,8 @@ class StorageClient:
         self._routing: RoutingSnapshot | None = None
         self._refreshing: trio.Event | None = None
         self._chunk_locks: dict[tuple[int, int], trio.Lock] = {}
-        self._unsynced: dict[int, set[int]] = {}  # inode -> chains its writes reached since its last sync
-        self._sync_locks: dict[int, trio.Lock] = {}
+        self._unsynced: set[int] = set()  # chains this client's writes reached since its last sync
+        self._sync_lock = trio.Lock()
         self._rng = random.Random()
 
     # ---------------------------------------------------------------------------------- routing
@@ -168,7 +168,7 @@ class StorageClient:
                                        request_id, within, crc)
                     await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
                                         timeout=self._call_timeout)
-                    self._unsynced.setdefault(ino, set()).add(chain.chain_id)
+                    self._unsynced.add(chain.chain_id)
 
                 await self._retrying(f"write of chunk {index} of inode {ino}", attempt)
             finally:
@@ -239,24 +239,21 @@ class StorageClient:
             await self.write(ino, layout, new_length, bytes(end - new_length))
         first_gone = -(-new_length // size)
         await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
-        self._unsynced.setdefault(ino, set()).update(c.chain_id for c in (await self.routing()).chains)
+        self._unsynced.update(c.chain_id for c in (await self.routing()).chains)
 
     async def sync(self, ino: int) -> None:
         """Make this client's writes and truncations of ``ino`` durable on every replica (the file's fsync):
-        chunk servers may acknowledge them from their page cache. Returns at once if nothing is unsynced."""
-        lock = self._sync_locks.setdefault(ino, trio.Lock())
-        try:
-            async with lock:  # a concurrent fsync of the file waits for this one, then syncs what came after
-                chains = self._unsynced.pop(ino, None)
-                if chains:
-                    try:
-                        await self._retrying(f"sync of inode {ino}", lambda n: self._sync_chains(chains))
-                    except BaseException:
-                        self._unsynced.setdefault(ino, set()).update(chains)
-                        raise
-        finally:
-            if not lock.statistics().tasks_waiting:
-                self._sync_locks.pop(ino, None)
+        chunk servers may acknowledge them from their page cache. A target flushes all it holds, so this syncs
+        the chains any of this client's writes reached since its last sync: state bounded by the chains, not by
+        the files ever written. Returns at once if nothing is unsynced."""
+        async with self._sync_lock:  # a concurrent sync waits for this one, then syncs what came after
+            chains, self._unsynced = self._unsynced, set()
+            if chains:
+                try:
+                    await self._retrying(f"sync of inode {ino}", lambda n: self._sync_chains(chains))
+                except BaseException:
+                    self._unsynced |= chains
+                    raise
 
     async def _sync_chains(self, chain_ids: set[int]) -> None:
         """SYNC every target that takes writes in these chains, one call per chunk server (as routing is now:

@@ -180,6 +180,9 @@ def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int]
     return blocks
 
 
+#: A statement that always changes a page, so a durable transaction with it fsyncs the WAL even when idle.
+_COUNT_SYNC = ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ())
+
 _SQL_BATCH = 500  # inodes per DELETE (SQLite allows 32766 parameters)
 
 
@@ -583,7 +586,7 @@ class ChunkEngine:
                 self.sync()  # also frees the superseded versions' slots
             else:
                 with self._db_lock:  # an fsync of the WAL alone makes the rows' removal durable
-                    self._execute(("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ()), durable=True)
+                    self._execute(_COUNT_SYNC, durable=True)
         try:
             try:
                 blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks)
@@ -708,7 +711,7 @@ class ChunkEngine:
                                     if self._last_seq.get(cid, 0) <= upto]
                     self._execute(
                         ("DELETE FROM unsynced WHERE seq <= ?", (upto,)),
-                        ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ()),  # fsyncs the WAL even if idle
+                        _COUNT_SYNC,
                         *(("DELETE FROM versions WHERE inode=? AND idx=? AND pending=2", c) for c, _ in released),
                         durable=True,
                     )
