@@ -166,8 +166,9 @@ class StorageClient:
                         raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
                     request = WriteReq(chain.chain_id, chain.chain_version, ChunkId(ino, index), self.client_id,
                                        request_id, within, crc)
+                    # lent: the caller keeps ``data`` unchanged until this returns, and the head checks its CRC
                     await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
-                                        timeout=self._call_timeout)
+                                        timeout=self._call_timeout, lend=True)
                     self._unsynced.add(chain.chain_id)
 
                 await self._retrying(f"write of chunk {index} of inode {ino}", attempt)

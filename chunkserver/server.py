@@ -36,6 +36,7 @@ def serve_chunkserver(
         raise KvfsError("no mgmtd address: set mgmtd = [...] in the config or pass --mgmtd")
     token = config.resolved_token()
     transport = config.resolved_transport()  # forced rdma without a device fails here, before anything starts
+    shared_memory = config.resolved_shared_memory()
 
     async def main() -> None:
         with contextlib.ExitStack() as stack:
@@ -47,10 +48,11 @@ def serve_chunkserver(
                 )
                 for i, path in enumerate(targets)
             }
-            server = RpcServer(token, limits=CHUNK_LIMITS, name="chunkserver", transport=transport)
+            server = RpcServer(token, limits=CHUNK_LIMITS, name="chunkserver", transport=transport,
+                               shared_memory=shared_memory)
             timeouts = config.timeouts
             async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
-                                 call_timeout=timeouts.call, transport=transport) as rpc:
+                                 call_timeout=timeouts.call, transport=transport, shared_memory=shared_memory) as rpc:
                 chunkserver = ChunkServer(
                     node_id, listen, engines, rpc, MgmtdClient(rpc, config.mgmtd),
                     heartbeat_interval=timeouts.heartbeat_interval, sync_interval=config.chunkserver.sync_interval,

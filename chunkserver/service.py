@@ -362,7 +362,8 @@ class ChunkServer:
             data, msg = msg.data, msgspec.structs.replace(msg, data=None)
         try:
             address = self._address_of_target(target_id)
-            await self.rpc.send(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5)
+            # lent: a member keeps an update's bytes until its successor acknowledges it, and checks their CRC
+            await self.rpc.send(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5, lend=True)
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 

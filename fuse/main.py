@@ -27,7 +27,8 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
     async def main() -> None:
         timeouts = config.timeouts
         async with RpcClient(token, limits=CHUNK_LIMITS, connect_timeout=timeouts.connect,
-                             call_timeout=timeouts.call, transport=transport) as rpc:
+                             call_timeout=timeouts.call, transport=transport,
+                             shared_memory=config.resolved_shared_memory()) as rpc:
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
             async with trio.open_nursery() as nursery:

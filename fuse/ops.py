@@ -29,6 +29,7 @@ import trio
 from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
+from kvfs.transport.shm import SHARED
 from meta.store import LAYOUT_XATTR
 from meta.types import Attr, Caller, Layout, Opened
 
@@ -131,12 +132,18 @@ class _Handle:
     caller: Caller
     session: int | None
     lock: trio.Lock = field(default_factory=trio.Lock)
-    buf: bytearray = field(default_factory=bytearray)
+    buf: Any = field(default_factory=bytearray)  # bytearray, or a buffer in shared memory (_write_buffer)
     buf_off: int = 0
     buf_len: int = 0
-    spares: list[bytearray] = field(default_factory=list)  # flushed buffers, for the next ones to fill
+    spares: list[Any] = field(default_factory=list)  # flushed buffers, for the next ones to fill
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
+
+
+def _write_buffer(size: int) -> Any:
+    """A buffer for a handle's writes, of at least ``size`` bytes: in this process's shared memory while there is
+    room, so chunk writes to chunk servers on this host go by shared memory (:mod:`kvfs.transport.shm`)."""
+    return SHARED.take(1 << (size - 1).bit_length())
 
 
 @dataclass(eq=False)
@@ -810,7 +817,7 @@ class KvfsOperations(pyfuse3.Operations):
                 if not h.buf_len:
                     h.buf_off = off
                 if len(h.buf) < h.buf_len + n:  # grown as a file's writes go on: small files keep small buffers
-                    grown = bytearray(min(max(h.buf_len + n, 2 * len(h.buf), MIB), self.write_buffer))
+                    grown = _write_buffer(min(max(h.buf_len + n, 2 * len(h.buf), MIB), self.write_buffer))
                     memoryview(grown)[:h.buf_len] = memoryview(h.buf)[:h.buf_len]
                     h.buf = grown
                 memoryview(h.buf)[h.buf_len:h.buf_len + n] = buf
@@ -869,7 +876,7 @@ class KvfsOperations(pyfuse3.Operations):
         h.flushes.append(flush)
         self.nursery.start_soon(self._background_flush, h, data, flush)
 
-    async def _background_flush(self, h: _Handle, data: bytearray, flush: tuple[int, int, trio.Event]) -> None:
+    async def _background_flush(self, h: _Handle, data: Any, flush: tuple[int, int, trio.Event]) -> None:
         off, end, done = flush
         view = memoryview(data)[:end - off]
         try:

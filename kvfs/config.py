@@ -11,6 +11,7 @@ Example::
     mgmtd = ["10.0.0.1:7100", "10.0.0.2:7100"]
     meta = ["10.0.0.1:7200", "10.0.0.2:7200"]
     transport = "auto"                             # bulk data: "auto" | "tcp" | "rdma"; also $KVFS_TRANSPORT
+    shared_memory = true                           # same-host chunk writes through shared memory; also $KVFS_SHM
 
     [timeouts]
     heartbeat_interval = 1.0
@@ -70,6 +71,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: How bulk data moves: ``auto`` (RDMA where both ends can, else TCP), ``tcp``, or ``rdma`` (required:
     #: start-up fails without a device). ``$KVFS_TRANSPORT`` overrides it.
     transport: Literal["auto", "tcp", "rdma"] = "auto"
+    #: Chunk writes between processes of one host (mount, chunk servers) go through shared memory instead of
+    #: loopback TCP (:mod:`kvfs.transport.shm`). ``$KVFS_SHM`` (``0``/``1``) overrides it.
+    shared_memory: bool = True
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     chunkserver: ChunkServerSection = msgspec.field(default_factory=ChunkServerSection)
     meta_service: MetaSection = msgspec.field(default_factory=MetaSection, name="meta-service")
@@ -85,6 +89,12 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not token:
             raise KvfsError("no cluster token: set KVFS_TOKEN, or token/token_file in the config file")
         return token
+
+    def resolved_shared_memory(self) -> bool:
+        """Whether same-host bulk data may go through shared memory: ``KVFS_SHM``, then ``shared_memory``."""
+        from kvfs.transport import shm
+
+        return shm.resolve_enabled(None) if os.environ.get(shm.ENV_SHM) else self.shared_memory
 
     def resolved_transport(self) -> str:
         """The transport mode: ``KVFS_TRANSPORT``, then ``transport``. Checked here, at start-up: a bad spelling,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 _FREE_REFS = 3  # the pool's list, the loop variable looking at it, and getrefcount's own argument
 
@@ -21,17 +23,21 @@ _FREE_REFS = 3  # the pool's list, the loop variable looking at it, and getrefco
 class BufferPool:
     """Reusable buffers of power-of-two sizes from ``min_size`` up, at most ``capacity`` bytes held in all.
 
-    ``take(n)`` returns a bytearray of exactly ``n`` bytes whose contents are garbage: the caller must fill all
-    of it before it is read. Other sizes get a fresh buffer. Thread-safe."""
+    ``take(n)`` returns a writable buffer of exactly ``n`` bytes whose contents are garbage: the caller must fill
+    all of it before it is read. Other sizes, and any beyond ``capacity``, get a fresh bytearray. ``allocate(n)``
+    makes the pooled buffers (a bytearray by default; :data:`kvfs.transport.shm.SHARED` carves them from shared
+    memory), or returns None to fall back to a bytearray. Thread-safe."""
 
-    def __init__(self, capacity: int = 256 << 20, min_size: int = 256 << 10) -> None:
+    def __init__(self, capacity: int = 256 << 20, min_size: int = 256 << 10,
+                 allocate: Callable[[int], Any | None] = bytearray) -> None:
         self.capacity = capacity
         self.min_size = min_size
         self.held = 0
-        self._by_size: dict[int, list[bytearray]] = {}
+        self._allocate = allocate
+        self._by_size: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
 
-    def take(self, n: int) -> bytearray:
+    def take(self, n: int) -> Any:
         if n < self.min_size or n & (n - 1):
             return bytearray(n)
         with self._lock:
@@ -39,11 +45,13 @@ class BufferPool:
             for buf in pooled:
                 if sys.getrefcount(buf) == _FREE_REFS:
                     return buf
-            buf = bytearray(n)
             if self.held + n <= self.capacity:
-                pooled.append(buf)
-                self.held += n
-            return buf
+                buf = self._allocate(n)
+                if buf is not None:
+                    pooled.append(buf)
+                    self.held += n
+                    return buf
+            return bytearray(n)
 
 
 RECEIVED = BufferPool()

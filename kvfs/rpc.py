@@ -12,6 +12,10 @@ run in the reader task (no task per call).
 Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
 connection with a logged reason; every other connection keeps being served.
 
+Lent data sections (``lend=True``: chunk writes and their forwards) move through shared memory instead when client
+and server share a host (:mod:`kvfs.transport.shm`, ``$KVFS_SHM``): the frame names where the bytes lie in the
+client's arena and the server copies them out, one memcpy instead of two copies and a TCP stack on each side.
+
 Bulk data may move by RDMA instead (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): after the
 TCP connect a client whose host has RDMA offers a queue pair (``RDMA_CONNECT``); when the server accepts, calls
 with large data sections carry a descriptor of a registered slab in place of the bytes and the server
@@ -49,6 +53,7 @@ from kvfs.errors import (
 )
 from kvfs.pool import RECEIVED
 from kvfs.transport import link as rdma
+from kvfs.transport import shm
 from kvfs.transport.buffers import Slab
 from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
@@ -305,7 +310,8 @@ class _RdmaNotMoved(KvfsError):
 class Connection:
     """A client's multiplexed connection to one server."""
 
-    def __init__(self, sock: trio.socket.SocketType, address: str, signer: Signer, limits: Limits) -> None:
+    def __init__(self, sock: trio.socket.SocketType, address: str, signer: Signer, limits: Limits, *,
+                 shared_memory: bool = False) -> None:
         self.address = address
         self._sock = sock
         self._signer = signer
@@ -320,11 +326,19 @@ class Connection:
         self.rdma: rdma.RdmaLink | None = None
         self.forced_rdma = False
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
+        self._shm = shared_memory  # lent data may go through this process's arena, if the server maps it
+        self._shm_ok: bool | None = None  # the server's answer to SHM_CONNECT; None: not asked yet
+        self._shm_asking: trio.Event | None = None
 
     @property
     def transport(self) -> str:
         """``"rdma"`` while bulk data to this server moves by RDMA, else ``"tcp"``."""
         return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
+
+    @property
+    def shared_memory(self) -> bool:
+        """Lent data sections to this server go through shared memory (the server mapped this process's arena)."""
+        return bool(self._shm_ok)
 
     @property
     def closed(self) -> bool:
@@ -478,6 +492,41 @@ class Connection:
             raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
         return buffers, data_len
 
+    async def _shared_section(self, buffers: list[Buffer], data_len: int) -> int | None:
+        """Where a lent data section lies in this process's arena, when it may go by shared memory; else None."""
+        if not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
+            return None
+        arena = shm.PROCESS_ARENA.get()
+        offset = None if arena is None else arena.locate(buffers[0])
+        if offset is None or arena is None:
+            return None
+        if self._shm_ok is None:
+            await self._offer_arena(arena)
+        return offset if self._shm_ok else None
+
+    async def _offer_arena(self, arena: shm.Arena) -> None:
+        """Ask the server to map this process's arena; concurrent first calls wait for the one answer."""
+        if self._shm_asking is not None:
+            await self._shm_asking.wait()
+            return
+        self._shm_asking = asking = trio.Event()
+        try:
+            answer, _ = await self.call(shm.SHM_CONNECT, arena.offer())
+            self._shm_ok = answer.accepted
+            if answer.accepted:
+                log.debug("lent data to %s through shared memory", self.address)
+            else:
+                log.info("lent data to %s over TCP: %s", self.address, answer.reason)
+        except (ConnectionLost, ServiceUnavailable, AuthError):
+            raise
+        except KvfsError as exc:  # e.g. ENOSYS from a server that predates shared memory
+            self._shm_ok = False
+            log.info("lent data to %s over TCP: %s", self.address, exc.message)
+        finally:
+            asking.set()
+            if self._shm_ok is None:  # interrupted: the next lent call asks again
+                self._shm_asking = None
+
     async def call(
         self,
         method: Method,
@@ -485,20 +534,28 @@ class Connection:
         *,
         data: Buffer | Sequence[Buffer] | None = None,
         into: memoryview | None = None,
+        lend: bool = False,
     ) -> tuple[Any, memoryview | None]:
-        """Send one request and wait for its answer; the deadline is the caller's cancel scope."""
+        """Send one request and wait for its answer; the deadline is the caller's cancel scope.
+
+        ``lend``: ``data`` stays unchanged until the answer arrives and carries its own checksum, so a server on
+        this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`)."""
         buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
         body = wire.encode_body(request)
+        flags = wire.Flags.NONE
         link = self.rdma
-        if link is not None and link.ready:
+        if lend and (offset := await self._shared_section(buffers, data_len)) is not None:
+            body += shm.encode_trailer(offset, data_len)
+            buffers, data_len, flags = [], 0, wire.Flags.SHM
+        elif link is not None and link.ready:
             plan = link.plan(data_len, None if into is None else len(into))
             if plan.rdma:
                 answer = await self._call_rdma(link, plan, method, body, buffers, data_len, into)
                 if answer is not None:
                     return answer
                 # no slab free, or the server could not move the data: this call goes over TCP
-        frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len)
+        frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         pending = _Pending(method, into)
         self._pending[request_id] = pending
         try:
@@ -510,13 +567,18 @@ class Connection:
             raise pending.error
         return pending.response, pending.data
 
-    async def send(self, method: Method, request: msgspec.Struct, *, data: Buffer | Sequence[Buffer] | None = None
-                   ) -> None:
+    async def send(self, method: Method, request: msgspec.Struct, *, data: Buffer | Sequence[Buffer] | None = None,
+                   lend: bool = False) -> None:
         """Send one request that is not answered (``Flags.ONEWAY``); returns once it is written or queued (once its
-        data is in the kernel, for a caller-owned buffer). Always over TCP: an RDMA transfer needs an answer."""
+        data is in the kernel, for a caller-owned buffer). Never by RDMA, which needs an answer; by shared memory
+        when ``lend`` (as for :meth:`call`, the data stays unchanged until the server has handled the message)."""
         buffers, data_len = self._outgoing(data)
-        frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, wire.encode_body(request),
-                                  data_len, wire.Flags.ONEWAY)
+        body = wire.encode_body(request)
+        flags = wire.Flags.ONEWAY
+        if lend and (offset := await self._shared_section(buffers, data_len)) is not None:
+            body += shm.encode_trailer(offset, data_len)
+            buffers, data_len, flags = [], 0, flags | wire.Flags.SHM
+        frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, body, data_len, flags)
         await self._writer.put([frame, *buffers])
 
     async def _call_rdma(
@@ -621,6 +683,8 @@ class RpcClient(_TransportChoice):
     ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether bulk data
     may move by RDMA; ``rdma`` on a host without a usable device raises RdmaUnavailable here, with the reason.
     ``rdma_factory`` makes the RDMA endpoints (the real verbs one by default; tests inject fakes).
+    ``shared_memory`` (default ``$KVFS_SHM``, else on) lets lent data go through shared memory to servers on
+    this host.
     """
 
     def __init__(
@@ -633,8 +697,10 @@ class RpcClient(_TransportChoice):
         retries: int = 3,
         transport: TransportMode | str | None = None,
         rdma_factory: rdma.EndpointFactory | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         self._init_transport(transport, rdma_factory)
+        self.shared_memory = shm.resolve_enabled(shared_memory)
         self._signer = Signer(token)
         self._limits = limits
         self._connect_timeout = connect_timeout
@@ -684,7 +750,7 @@ class RpcClient(_TransportChoice):
                     sock = await _connect(address, self._connect_timeout)
                 except OSError as exc:
                     raise ServiceUnavailable(f"cannot connect to {address}: {exc.strerror or exc}") from None
-                conn = Connection(sock, address, self._signer, self._limits)
+                conn = Connection(sock, address, self._signer, self._limits, shared_memory=self.shared_memory)
                 await self._nursery.start(conn.run)
                 if self.transport is not TransportMode.TCP:
                     try:
@@ -746,9 +812,10 @@ class RpcClient(_TransportChoice):
         *,
         data: Buffer | Sequence[Buffer] | None = None,
         timeout: float | None = None,
+        lend: bool = False,
     ) -> Any:
-        """Call ``method`` at ``address`` and return its response body."""
-        response, _ = await self.call_with_data(address, method, request, data=data, timeout=timeout)
+        """Call ``method`` at ``address`` and return its response body (``lend``: see :meth:`Connection.call`)."""
+        response, _ = await self.call_with_data(address, method, request, data=data, timeout=timeout, lend=lend)
         return response
 
     async def call_with_data(
@@ -760,6 +827,7 @@ class RpcClient(_TransportChoice):
         data: Buffer | Sequence[Buffer] | None = None,
         into: memoryview | None = None,
         timeout: float | None = None,
+        lend: bool = False,
     ) -> tuple[Any, memoryview | None]:
         """Call ``method``; the response's data section lands in ``into`` when it is large enough."""
         attempts = 1 + (self._retries if method.idempotent else 0)
@@ -768,7 +836,7 @@ class RpcClient(_TransportChoice):
             try:
                 with trio.fail_after(deadline):
                     conn = await self.connection(address, check_peer=not method.idempotent)
-                    return await conn.call(method, request, data=data, into=into)
+                    return await conn.call(method, request, data=data, into=into, lend=lend)
             except trio.TooSlowError:
                 error: KvfsError = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
             except (ConnectionLost, ServiceUnavailable) as exc:
@@ -778,14 +846,15 @@ class RpcClient(_TransportChoice):
         raise error
 
     async def send(self, address: str, method: Method, request: msgspec.Struct, *,
-                   data: Buffer | Sequence[Buffer] | None = None, timeout: float | None = None) -> None:
+                   data: Buffer | Sequence[Buffer] | None = None, timeout: float | None = None,
+                   lend: bool = False) -> None:
         """Send ``method`` at ``address`` without waiting for (or getting) an answer: a one-way message whose loss
         the caller repairs itself. Not retried; ``timeout`` bounds connecting and handing the bytes to the kernel."""
         deadline = self.call_timeout if timeout is None else timeout
         try:
             with trio.fail_after(deadline):
                 conn = await self.connection(address, check_peer=False)
-                await conn.send(method, request, data=data)
+                await conn.send(method, request, data=data, lend=lend)
         except trio.TooSlowError:
             raise RpcTimeout(f"sending {method.name} to {address} took longer than {deadline:g}s") from None
 
@@ -824,17 +893,28 @@ class CallContext:
 
 
 class PeerConnection:
-    """A server's per-connection state: the peer and, after an accepted handshake, its RDMA link."""
+    """A server's per-connection state: the peer and, after accepted handshakes, its RDMA link and the mapping
+    of its shared-memory arena."""
 
-    __slots__ = ("peer", "rdma")
+    __slots__ = ("peer", "rdma", "shm")
 
     def __init__(self, peer: str) -> None:
         self.peer = peer
         self.rdma: rdma.RdmaLink | None = None
+        self.shm: shm.PeerArena | None = None
 
     @property
     def transport(self) -> str:
         return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
+
+    @property
+    def shared_memory(self) -> bool:
+        return self.shm is not None
+
+    def install_shm(self, arena: shm.PeerArena) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.shm = arena
 
     def install(self, link: rdma.RdmaLink) -> None:
         if self.rdma is not None:
@@ -851,6 +931,8 @@ class PeerConnection:
     def close(self) -> None:
         if self.rdma is not None:
             self.rdma.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
 class RpcServer(_TransportChoice):
@@ -859,6 +941,8 @@ class RpcServer(_TransportChoice):
     ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether this server
     accepts clients' RDMA offers; ``rdma`` on a host without a usable device raises RdmaUnavailable here. The
     ``RDMA_CONNECT`` handler is built in (unless one is registered) and refuses when this side cannot do RDMA.
+    ``shared_memory`` (default ``$KVFS_SHM``, else on): whether it maps same-host clients' arenas
+    (``SHM_CONNECT``, built in too) to copy lent data out of them.
     """
 
     #: After GOAWAY, how long connections keep answering calls that were already on their way.
@@ -873,8 +957,10 @@ class RpcServer(_TransportChoice):
         name: str = "rpc",
         transport: TransportMode | str | None = None,
         rdma_factory: rdma.EndpointFactory | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         self._init_transport(transport, rdma_factory)
+        self.shared_memory = shm.resolve_enabled(shared_memory)
         self._signer = Signer(token)
         self._limits = limits
         self._max_in_flight = max_in_flight
@@ -913,6 +999,20 @@ class RpcServer(_TransportChoice):
         self.log.info("bulk data with %s by RDMA", ctx.peer)
         return RdmaAccept(True, answer)
 
+    async def _shm_connect(self, offer: shm.ShmOffer, data: memoryview | None, ctx: CallContext) -> shm.ShmAccept:
+        """The built-in shared-memory handshake: map the client's arena for this connection, or refuse with why."""
+        if not self.shared_memory:
+            return shm.ShmAccept(False, "shared memory is off on this server")
+        try:
+            arena = shm.PeerArena(offer)
+        except shm.ShmRefused as exc:
+            self.log.info("lent data from %s over TCP: %s", ctx.peer, exc)
+            return shm.ShmAccept(False, str(exc))
+        assert ctx.connection is not None
+        ctx.connection.install_shm(arena)
+        self.log.info("lent data from %s through shared memory (pid %d)", ctx.peer, offer.pid)
+        return shm.ShmAccept(True)
+
     def _refuse_rdma(self, ctx: CallContext, reason: str) -> RdmaAccept:
         RDMA_FALLBACKS.labels("setup").inc()
         self.log.warning("bulk data with %s over TCP: %s", ctx.peer, reason)
@@ -934,6 +1034,9 @@ class RpcServer(_TransportChoice):
         """Listen and serve until cancelled; ``nursery.start`` returns the bound port."""
         if RDMA_CONNECT.id not in self._handlers:
             self._handlers[RDMA_CONNECT.id] = (RDMA_CONNECT, self._rdma_connect)
+        if shm.SHM_CONNECT.id not in self._handlers:  # inline: the lent frames that follow find the mapping
+            self._handlers[shm.SHM_CONNECT.id] = (shm.SHM_CONNECT, self._shm_connect)
+            self._inline.add(shm.SHM_CONNECT.id)
         if self.transport is TransportMode.AUTO:
             rdma.note_tcp_only(self._factory().detect())
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -1050,7 +1153,12 @@ class RpcServer(_TransportChoice):
             if oneway and wire.Flags.RDMA in header.flags:
                 raise ProtocolError("a one-way request cannot move its data by RDMA")
             buffers = None
-            if wire.Flags.RDMA in header.flags:  # data by RDMA: descriptors of the client's slabs end the body
+            shared = 0  # length of a data section in the client's arena
+            if wire.Flags.SHM in header.flags:
+                if header.data_len or wire.Flags.RDMA in header.flags:
+                    raise ProtocolError("a shared-memory request also carries a TCP or RDMA data section")
+                body, offset, shared = shm.split_trailer(body, self._limits.max_data)
+            elif wire.Flags.RDMA in header.flags:  # data by RDMA: descriptors of the client's slabs end the body
                 body, src, dst = rdma.split_request(body, self._limits.max_data)
                 if src is not None and header.data_len:
                     raise ProtocolError("request has both an RDMA source and a TCP data section")
@@ -1071,6 +1179,11 @@ class RpcServer(_TransportChoice):
             if header.data_len:
                 data = memoryview(RECEIVED.take(header.data_len))
                 await reader.read_into(data)
+            elif shared:
+                if conn.shm is None:
+                    raise ProtocolError("shared-memory data section from a client whose arena is not mapped")
+                data = memoryview(shm.SHARED.take(shared))  # in our own arena: a handler may lend it on
+                conn.shm.copy_out(offset, data)
             try:
                 limiter.acquire_on_behalf_of_nowait(header.request_id)
             except trio.WouldBlock:

@@ -55,11 +55,14 @@ class Flags(enum.IntFlag):
     #: A REQUEST its sender wants no answer to: the server runs the handler and sends nothing back (a failure
     #: is logged there). For messages whose loss the sender repairs itself, e.g. by retransmitting.
     ONEWAY = 8
+    #: The body ends with a shared-memory trailer naming where in the sender's arena the data section lies
+    #: (``data_len`` is 0); the receiver copies it from there. See :mod:`kvfs.transport.shm`.
+    SHM = 16
 
 
 # Enum construction and Flag arithmetic cost microseconds each: a header is decoded with table lookups instead.
 _FRAME_TYPES = {t.value: t for t in FrameType}
-_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY)
+_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY | Flags.SHM)
 _FLAG_SETS = tuple(Flags(bits) for bits in range(_KNOWN_FLAGS + 1))
 
 

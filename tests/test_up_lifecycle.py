@@ -128,6 +128,21 @@ def test_fsync_on_the_mount_flushes_the_files_writes_on_every_replica(cluster):
     os.unlink(path)
 
 
+def test_chunk_writes_and_their_forwards_go_through_shared_memory_on_one_host(cluster):
+    """Every process of ``kvfs up`` shares the host: the mount lends its write buffers to the head, and each
+    member lends what it copied out to its successor (kvfs.transport.shm); the bytes come back intact."""
+    data = os.urandom(9 << 20)
+    path = cluster.mount / "lent"
+    with open(path, "wb") as f:
+        f.write(data)
+        os.fsync(f.fileno())
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+    os.unlink(path)
+    accepted = {name: "through shared memory" in (cluster.data / "logs" / f"{name}.log").read_text()
+                for name in ("cs1", "cs2", "cs3")}
+    assert sum(accepted.values()) == 3, accepted  # head from the mount, the others from their predecessors
+
+
 def test_status_json_lists_processes_targets_and_chains(cluster):
     c = cluster
     r = c.kvfs("status", "--data", str(c.data), "--json")
