@@ -13,6 +13,7 @@ from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
+from kvfs.transport import shm
 from kvfs.wire import Limits
 
 #: Chunk writes carry up to a whole chunk in their data section.
@@ -59,7 +60,7 @@ def serve_chunkserver(
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(
-                    server, listen, http=http, background=(chunkserver.run,),
+                    server, listen, http=http, background=(chunkserver.run, shm.give_back_idle),
                     health=lambda: {"ok": chunkserver.registered.is_set(), "targets": sorted(engines)},
                 )
 

@@ -11,6 +11,7 @@ from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient
 from kvfs.service import setup_logging
+from kvfs.transport import shm
 from meta.client import RemoteMeta
 
 from .mount import run_mount
@@ -33,6 +34,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(meta.keep_alive)
+                nursery.start_soon(shm.give_back_idle)
                 await run_mount(meta, storage, mountpoint, **options)
                 nursery.cancel_scope.cancel()
             rpc.close()

@@ -12,8 +12,10 @@ reference counts are exact: every memoryview of the buffer holds one too).
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +38,14 @@ class BufferPool:
         self._allocate = allocate
         self._by_size: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
+        self._last_take = time.monotonic()
+        self._trimmed = False  # nothing was taken since the last trim
 
     def take(self, n: int) -> Any:
         if n < self.min_size or n & (n - 1):
             return bytearray(n)
         with self._lock:
+            self._last_take, self._trimmed = time.monotonic(), False
             pooled = self._by_size.setdefault(n, [])
             for buf in pooled:
                 if sys.getrefcount(buf) == _FREE_REFS:
@@ -52,6 +57,22 @@ class BufferPool:
                     self.held += n
                     return buf
             return bytearray(n)
+
+    def trim(self, idle: float) -> int:
+        """Give the pages of unused shared-memory buffers back to the system once nothing was taken for ``idle``
+        seconds (they stay pooled and are refilled with zero pages on next use); returns the bytes given back.
+        Only :func:`mmap.mmap` buffers can: a process keeps what ``bytearray`` buffers its pool holds."""
+        given = 0
+        with self._lock:
+            if self._trimmed or time.monotonic() - self._last_take < idle:
+                return 0
+            self._trimmed = True
+            for size, pooled in self._by_size.items():
+                for buf in pooled:
+                    if isinstance(buf, mmap.mmap) and sys.getrefcount(buf) == _FREE_REFS:
+                        buf.madvise(mmap.MADV_REMOVE)
+                        given += size
+        return given
 
 
 RECEIVED = BufferPool()

@@ -351,3 +351,18 @@ async def test_a_client_in_another_process_lends_through_its_own_arena(nursery):
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout.split() == [str(MIB).encode(), b"True"]
     assert received.data == [pattern(MIB, 7)] and shm_bytes() - before == MIB
+
+
+def test_idle_shared_buffers_give_their_pages_back_and_stay_usable(arena):
+    pool = BufferPool(capacity=8 * MIB, allocate=arena.allocate)
+    busy, idle = pool.take(4 * MIB), pool.take(4 * MIB)
+    memoryview(busy)[:] = memoryview(idle)[:] = b"x" * (4 * MIB)
+    idle_id = id(idle)
+    del idle
+    assert pool.trim(idle=3600) == 0  # taken from a moment ago
+    assert pool.trim(idle=0) == 4 * MIB  # only the buffer nothing refers to
+    assert pool.trim(idle=0) == 0  # nothing taken since
+    assert bytes(busy[:1]) == b"x"
+    again = pool.take(4 * MIB)
+    assert id(again) == idle_id and again[:4] == bytes(4)  # its pages came back as zeros
+    assert isinstance(BufferPool().take(MIB), bytearray) and BufferPool().trim(idle=0) == 0

@@ -32,6 +32,7 @@ from typing import Annotated
 
 import msgspec
 import prometheus_client
+import trio
 
 from kvfs.errors import ProtocolError
 from kvfs.pool import BufferPool
@@ -252,3 +253,14 @@ PROCESS_ARENA = _ProcessArena()
 SHARED = BufferPool(capacity=ARENA_CAPACITY // 2, allocate=PROCESS_ARENA.allocate)
 """Buffers in this process's arena: what the process sends lent data from (the mount's write buffers) and what
 a server copies lent data into (so a chain member forwards it on without another copy)."""
+
+
+async def give_back_idle(every: float = 30.0) -> None:
+    """Hand the pages of this process's idle arena buffers back to the system, every ``every`` seconds once
+    nothing was taken for that long (run in a service's nursery): a mount that wrote a large file would otherwise
+    keep its write buffers' memory while it idles."""
+    while True:
+        await trio.sleep(every)
+        given = SHARED.trim(idle=every)
+        if given:
+            log.debug("gave back %d MiB of idle shared-memory buffers", given >> 20)
