@@ -399,6 +399,40 @@ def test_full_disk_and_oversized_chunk_refused(eng: ChunkEngine, monkeypatch: py
     assert ei.value.errno == errno.EINVAL
 
 
+def test_slot_files_grow_in_steps_and_a_full_disk_still_gets_one_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fallocate holds the engine's lock while it waits for the journal: a file grows by as many slots as it
+    has (up to 64 MiB) at once, and the slots of a step it does not use yet are free, also after a reopen."""
+    calls: list[int] = []
+    real = os.posix_fallocate
+
+    def counting(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", counting)
+    with ChunkEngine(tmp_path, fsync=False) as e:
+        for i in range(100):
+            put(e, ChunkId(9, i), 1, 0, b"%d" % i * 1000 + bytes(CS - 1000 * len(b"%d" % i)))
+        assert [n // CS for n in calls] == [1, 1, 2, 4, 8, 16, 32, 64]  # 128 slots for 100 chunks, 8 calls
+        assert e.space()[1] == 100 * CS
+    calls.clear()
+    with ChunkEngine(tmp_path, fsync=False) as e:
+        for i in range(100, 128):  # the step's spare slots, found free again after the reopen
+            put(e, ChunkId(9, i), 1, 0, bytes(CS))
+        assert calls == [] and content(e, ChunkId(9, 42)) == b"42" * 1000 + bytes(CS - 2000)
+
+        def room_for_one_slot(fd: int, offset: int, length: int) -> None:
+            if length > CS:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            counting(fd, offset, length)
+
+        monkeypatch.setattr(os, "posix_fallocate", room_for_one_slot)
+        put(e, ChunkId(9, 128), 1, 0, b"last" + bytes(CS - 4))  # the next step, 64 slots, does not fit
+        assert calls == [CS] and content(e, ChunkId(9, 128))[:4] == b"last"
+
+
 def test_concurrent_writers_on_distinct_chunks(eng: ChunkEngine) -> None:
     def worker(i: int) -> None:
         for v in range(1, 20):
