@@ -497,8 +497,7 @@ class Connection:
         if not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
             return None
         arena = shm.PROCESS_ARENA.get()
-        offset = None if arena is None else arena.locate(buffers[0])
-        if offset is None or arena is None:
+        if arena is None or (offset := arena.locate(buffers[0])) is None:
             return None
         if self._shm_ok is None:
             await self._offer_arena(arena)
