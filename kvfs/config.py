@@ -94,7 +94,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Whether same-host bulk data may go through shared memory: ``KVFS_SHM``, then ``shared_memory``."""
         from kvfs.transport import shm
 
-        return shm.resolve_enabled(None) if os.environ.get(shm.ENV_SHM) else self.shared_memory
+        return shm.resolve_enabled(None, default=self.shared_memory)
 
     def resolved_transport(self) -> str:
         """The transport mode: ``KVFS_TRANSPORT``, then ``transport``. Checked here, at start-up: a bad spelling,

@@ -492,16 +492,20 @@ class Connection:
             raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
         return buffers, data_len
 
-    async def _shared_section(self, buffers: list[Buffer], data_len: int) -> int | None:
-        """Where a lent data section lies in this process's arena, when it may go by shared memory; else None."""
-        if not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
-            return None
+    async def _share_lent(self, lend: bool, body: bytes, buffers: list[Buffer], data_len: int, flags: wire.Flags
+                          ) -> tuple[bytes, list[Buffer], int, wire.Flags]:
+        """A frame's body, data section and flags, with a lent data section that lies in this process's arena
+        replaced by its shared-memory trailer (flag SHM) when the server maps the arena; else unchanged."""
+        if not lend or not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
+            return body, buffers, data_len, flags
         arena = shm.PROCESS_ARENA.get()
         if arena is None or (offset := arena.locate(buffers[0])) is None:
-            return None
+            return body, buffers, data_len, flags
         if self._shm_ok is None:
             await self._offer_arena(arena)
-        return offset if self._shm_ok else None
+        if not self._shm_ok:
+            return body, buffers, data_len, flags
+        return body + shm.encode_trailer(offset, data_len), [], 0, flags | wire.Flags.SHM
 
     async def _offer_arena(self, arena: shm.Arena) -> None:
         """Ask the server to map this process's arena; concurrent first calls wait for the one answer."""
@@ -541,13 +545,10 @@ class Connection:
         this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`)."""
         buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
-        body = wire.encode_body(request)
-        flags = wire.Flags.NONE
+        body, buffers, data_len, flags = await self._share_lent(
+            lend, wire.encode_body(request), buffers, data_len, wire.Flags.NONE)
         link = self.rdma
-        if lend and (offset := await self._shared_section(buffers, data_len)) is not None:
-            body += shm.encode_trailer(offset, data_len)
-            buffers, data_len, flags = [], 0, wire.Flags.SHM
-        elif link is not None and link.ready:
+        if not flags & wire.Flags.SHM and link is not None and link.ready:
             plan = link.plan(data_len, None if into is None else len(into))
             if plan.rdma:
                 answer = await self._call_rdma(link, plan, method, body, buffers, data_len, into)
@@ -572,11 +573,8 @@ class Connection:
         data is in the kernel, for a caller-owned buffer). Never by RDMA, which needs an answer; by shared memory
         when ``lend`` (as for :meth:`call`, the data stays unchanged until the server has handled the message)."""
         buffers, data_len = self._outgoing(data)
-        body = wire.encode_body(request)
-        flags = wire.Flags.ONEWAY
-        if lend and (offset := await self._shared_section(buffers, data_len)) is not None:
-            body += shm.encode_trailer(offset, data_len)
-            buffers, data_len, flags = [], 0, flags | wire.Flags.SHM
+        body, buffers, data_len, flags = await self._share_lent(
+            lend, wire.encode_body(request), buffers, data_len, wire.Flags.ONEWAY)
         frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, body, data_len, flags)
         await self._writer.put([frame, *buffers])
 

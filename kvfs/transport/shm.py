@@ -59,11 +59,13 @@ SHM_BYTES = prometheus_client.Counter(
 )
 
 
-def resolve_enabled(value: bool | None) -> bool:
-    """Shared memory on or off: an explicit value, else ``$KVFS_SHM`` (``0``/``off``/``false``/``no`` turn it off)."""
+def resolve_enabled(value: bool | None, default: bool = True) -> bool:
+    """Shared memory on or off: an explicit value, else ``$KVFS_SHM`` (``0``/``off``/``false``/``no`` turn it off),
+    else ``default`` (the config file's ``shared_memory``)."""
     if value is not None:
         return value
-    return os.environ.get(ENV_SHM, "1").strip().lower() not in ("0", "off", "false", "no")
+    env = os.environ.get(ENV_SHM)
+    return default if not env else env.strip().lower() not in ("0", "off", "false", "no")
 
 
 @cache
