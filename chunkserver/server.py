@@ -45,7 +45,8 @@ def serve_chunkserver(
                 target_id_for(node_id, i): stack.enter_context(
                     ChunkEngine(Path(path), fsync=config.chunkserver.fsync,
                                 write_through=config.chunkserver.write_through,
-                                capacity_bytes=config.chunkserver.capacity_bytes)
+                                capacity_bytes=config.chunkserver.capacity_bytes,
+                                direct_io=config.chunkserver.direct_io)
                 )
                 for i, path in enumerate(targets)
             }

@@ -52,6 +52,8 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     #: flush at a client's fsync and every ``sync_interval`` seconds; a power loss loses at most the writes since.
     write_through: bool = False
     sync_interval: float = 5.0
+    #: Write chunk data around the page cache (O_DIRECT) where the file system allows; reads still use it.
+    direct_io: bool = True
     capacity_bytes: int | None = None
 
 

@@ -70,10 +70,19 @@ class BufferPool:
             for size, pooled in self._by_size.items():
                 for buf in pooled:
                     if isinstance(buf, mmap.mmap) and sys.getrefcount(buf) == _FREE_REFS:
-                        buf.madvise(mmap.MADV_REMOVE)
+                        try:
+                            buf.madvise(mmap.MADV_REMOVE)  # shared memory: frees the pages themselves
+                        except OSError:
+                            buf.madvise(mmap.MADV_DONTNEED)  # private memory (page_aligned)
                         given += size
         return given
 
 
-RECEIVED = BufferPool()
+def page_aligned(n: int) -> mmap.mmap:
+    """Private anonymous memory: page-aligned, so a chunk server writes what it received to disk with O_DIRECT
+    (a large bytearray's data starts 16 bytes into its pages)."""
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+RECEIVED = BufferPool(allocate=page_aligned)
 """The process's pool for data sections received over RPC and for file reads (mount, chunk server)."""
