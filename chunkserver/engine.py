@@ -96,6 +96,7 @@ from crc32c import crc32c
 
 from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
+from kvfs.pool import RECEIVED, page_aligned
 
 log = logging.getLogger("kvfs.chunkserver.engine")
 
@@ -184,6 +185,10 @@ def _class_for(length: int) -> int:
 
 def _nblocks(length: int) -> int:
     return -(-length // BLOCK)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -862,24 +867,62 @@ class ChunkEngine:
         return (n if into is not None else out.obj), meta
 
     def lend(self, chunk_id: ChunkId, offset: int, length: int, version: int) -> Lent:
-        """Bytes [offset, offset+length) of ``version`` (cut at its end) as a read-only view of the slot file's
-        mapping, its blocks' CRCs checked: no copy out of the page cache, which costs more here than the CRC and
-        the socket send together (README, "Reads"). The version's slot stays pinned, so not reused, until
-        ``release()``; call it once the bytes have left (an unreleased loan only keeps one slot out of use).
-        Touching the mapping may wait for the disk: call this from a worker thread. Raises as :meth:`read`."""
+        """Bytes [offset, offset+length) of ``version`` (cut at its end), their blocks' CRCs checked, without a copy
+        by the CPU: read from the disk with direct I/O into a pooled page-aligned buffer (see "Direct I/O"), or, on
+        a file system that refuses it, as a read-only view of the slot file's mapping (a copy out of the page cache
+        costs more here than the CRC and the socket send together: README, "Reads"). A mapped version's slot
+        stays pinned, so not reused, until ``release()``; call it once the bytes have left (an unreleased loan
+        only keeps one slot out of use). This waits for the disk: call it from a worker thread. Raises as
+        :meth:`read`."""
         v, _ = self._pin_version(chunk_id, version)
         try:
             n = self._readable(chunk_id, v, offset, length)
-            mapped = self._mapping(v)
-            base = v.slot * self._files[v.cls].size
-            for b in range(offset // BLOCK, _nblocks(offset + n) if n else 0):  # nothing to check past the end
-                lo = base + b * BLOCK
-                if crc32c(mapped[lo : lo + min(BLOCK, v.length - b * BLOCK)]) != v.blocks[b]:
-                    raise ChecksumMismatch(f"{self._files[v.cls].path} slot {v.slot} block {b}: stored data is corrupt")
+            data = self._read_direct(v, offset, n) if n else None
+            if data is None:
+                return self._lend_mapped(v, offset, n)
         except BaseException:
             self._release(v)
             raise
+        self._release(v)  # the bytes are in our own buffer now
+        return Lent(data, _nothing)
+
+    def _read_direct(self, v: _Version, offset: int, n: int) -> memoryview | None:
+        """``n`` bytes at ``offset`` of ``v`` read around the page cache (the blocks they touch, checked), or None
+        where the file system does not take direct reads."""
+        f = self._files[v.cls]
+        fd = f.direct
+        if fd < 0:
+            return None
+        lo = offset // BLOCK * BLOCK
+        hi = min(_nblocks(offset + n) * BLOCK, v.length)
+        span = -(-(hi - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
+        pooled = 1 << (span - 1).bit_length()
+        buf = memoryview(RECEIVED.take(pooled) if pooled >= RECEIVED.min_size else page_aligned(pooled))[:span]
+        try:
+            got = os.preadv(fd, [buf], v.slot * f.size + lo)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._stop_direct(f, e)
+            return None
+        if got < hi - lo:
+            raise ChecksumMismatch(f"{f.path} slot {v.slot}: short read ({got} of {hi - lo} bytes)")
+        self._check_blocks(v, lo, buf[: hi - lo])
+        return buf[offset - lo : offset - lo + n]
+
+    def _lend_mapped(self, v: _Version, offset: int, n: int) -> Lent:
+        mapped = self._mapping(v)
+        base = v.slot * self._files[v.cls].size
+        lo = offset // BLOCK * BLOCK
+        self._check_blocks(v, lo, mapped[base + lo : base + min(_nblocks(offset + n) * BLOCK, v.length)] if n else b"")
         return Lent(mapped[base + offset : base + offset + n], lambda: self._release(v))
+
+    def _check_blocks(self, v: _Version, start: int, data: memoryview | bytes) -> None:
+        """Check ``data``, the bytes of ``v`` from block boundary ``start`` on, against the blocks' CRCs."""
+        for at in range(0, len(data), BLOCK):
+            b = (start + at) // BLOCK
+            if crc32c(data[at : at + BLOCK]) != v.blocks[b]:
+                raise ChecksumMismatch(f"{self._files[v.cls].path} slot {v.slot} block {b}: stored data is corrupt")
 
     def _release(self, v: _Version) -> None:
         """Unpin ``v`` (see :meth:`_pin_version`)."""

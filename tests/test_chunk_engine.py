@@ -25,9 +25,11 @@ CS = 1 << 20
 C = ChunkId(7, 0)
 
 
-@pytest.fixture
-def eng(tmp_path: Path):
-    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def eng(tmp_path: Path, request: pytest.FixtureRequest):
+    """An engine with direct I/O (the default) and one without: loans are direct reads in one, mappings in the
+    other."""
+    with ChunkEngine(tmp_path / "t", fsync=False, direct_io=request.param) as e:
         yield e
 
 
@@ -542,3 +544,16 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
             e.commit(C, v)
         assert content(e, C) == data and len(refused) == 1  # the second write did not try again
     assert "refuses direct writes" in caplog.text
+
+
+def test_a_direct_loan_reads_around_the_page_cache_and_holds_no_slot(tmp_path: Path) -> None:
+    data = os.urandom(4 * BLOCK + 100)
+    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+        e.write_pending(C, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+        e.commit(C, 1)
+        lent = e.lend(C, BLOCK + 5, 3 * BLOCK, 1)
+        assert bytes(lent.data) == data[BLOCK + 5 : 4 * BLOCK + 5]
+        assert not _cached(e, C, 0, 4 * BLOCK)  # the read left nothing in the page cache
+        put(e, C, 2, 0, bytes(10), full_replace=True)  # the loan holds no pin: v1's slot is free at once
+        assert e.space()[1] == BLOCK and bytes(lent.data) == data[BLOCK + 5 : 4 * BLOCK + 5]
+        lent.release()
