@@ -56,9 +56,11 @@ page-aligned (a chunk server's received chunks are: they land in pooled page-ali
 unaligned tail, blocks assembled from old and new bytes) through it. The chunk server's own buffers already
 stage the data, so the page cache would only add a copy and memory per byte written: on a VM whose fresh
 memory costs a host fault per page, a fresh target's writes took ~1.1-1.4 sys CPU-s per GiB buffered against
-~0.15 direct (README, "Performance"). Reads still go through the page cache, which is the read cache (and what
-:meth:`ChunkEngine.lend` maps); Linux keeps the two coherent (a direct write drops cached pages of its range).
-A file system that refuses ``O_DIRECT`` (at open, or on a write) gets buffered writes, with one log line.
+~0.15 direct (chunkserver/README.md, "Direct I/O"). Large reads (:meth:`ChunkEngine.lend`) come straight from
+the disk the same way, into pooled page-aligned buffers; small ones through the page cache. Linux keeps the two
+paths coherent (a direct write drops cached pages of its range, a direct read first writes back dirty ones). A
+file system that refuses ``O_DIRECT`` (at open, or on a write or read) gets buffered writes and mapped loans,
+with one log line.
 Durability is unchanged: a direct write may still sit in the disk's cache, and the same fdatasync flushes it.
 
 Write-back
