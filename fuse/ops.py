@@ -41,7 +41,7 @@ from .dirops import DirOps, Ordered
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-FLUSH_DEPTH = 2  # write flushes in flight per open file (see _start_flush)
+FLUSH_DEPTH = 4  # write flushes in flight per open file (see _start_flush)
 
 
 #: (parent, name) argument positions of the entries each namespace operation changes.
@@ -170,7 +170,7 @@ class KvfsOperations(pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
         negative_timeout: float = 1.0,
-        write_buffer: int = 64 * MIB,
+        write_buffer: int = 16 * MIB,
         flush_depth: int = FLUSH_DEPTH,
         read_parallel: int = 8,
         write_parallel: int = 16,
