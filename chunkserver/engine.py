@@ -879,7 +879,7 @@ class ChunkEngine:
         v, _ = self._pin_version(chunk_id, version)
         try:
             n = self._readable(chunk_id, v, offset, length)
-            data = self._read_direct(v, offset, n) if n else None
+            data = self._read_direct(v, offset, n) if n else memoryview(b"")
             if data is None:
                 return self._lend_mapped(v, offset, n)
         except BaseException:
@@ -898,8 +898,10 @@ class ChunkEngine:
         lo = offset // BLOCK * BLOCK
         hi = min(_nblocks(offset + n) * BLOCK, v.length)
         span = -(-(hi - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
-        pooled = 1 << (span - 1).bit_length()
-        buf = memoryview(RECEIVED.take(pooled) if pooled >= RECEIVED.min_size else page_aligned(pooled))[:span]
+        pooled = RECEIVED.take(1 << (span - 1).bit_length())
+        if not isinstance(pooled, mmap.mmap):  # small, or the pool is full: a bytearray is not page-aligned
+            pooled = page_aligned(span)
+        buf = memoryview(pooled)[:span]
         try:
             got = os.preadv(fd, [buf], v.slot * f.size + lo)
         except OSError as e:
@@ -916,7 +918,7 @@ class ChunkEngine:
         mapped = self._mapping(v)
         base = v.slot * self._files[v.cls].size
         lo = offset // BLOCK * BLOCK
-        self._check_blocks(v, lo, mapped[base + lo : base + min(_nblocks(offset + n) * BLOCK, v.length)] if n else b"")
+        self._check_blocks(v, lo, mapped[base + lo : base + min(_nblocks(offset + n) * BLOCK, v.length)])
         return Lent(mapped[base + offset : base + offset + n], lambda: self._release(v))
 
     def _check_blocks(self, v: _Version, start: int, data: memoryview | bytes) -> None:

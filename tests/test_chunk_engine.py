@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from chunkserver import engine as engine_mod
 from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
-from kvfs.pool import page_aligned
+from kvfs.pool import BufferPool, page_aligned
 
 CS = 1 << 20
 C = ChunkId(7, 0)
@@ -557,3 +557,18 @@ def test_a_direct_loan_reads_around_the_page_cache_and_holds_no_slot(tmp_path: P
         put(e, C, 2, 0, bytes(10), full_replace=True)  # the loan holds no pin: v1's slot is free at once
         assert e.space()[1] == BLOCK and bytes(lent.data) == data[BLOCK + 5 : 4 * BLOCK + 5]
         lent.release()
+
+
+def test_a_direct_loan_needs_no_room_in_the_buffer_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full pool hands out bytearrays, which are not page-aligned: the loan reads into fresh aligned memory
+    instead, and direct I/O stays on (a misaligned read would have made the engine give it up)."""
+    data = os.urandom(8 * BLOCK)
+    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+        e.write_pending(C, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+        e.commit(C, 1)
+        monkeypatch.setattr(engine_mod, "RECEIVED", BufferPool(capacity=0, allocate=page_aligned))
+        for off, n in [(0, len(data)), (5, BLOCK), (len(data) - 3, 3)]:
+            lent = e.lend(C, off, n, 1)
+            assert bytes(lent.data) == data[off : off + n]
+        assert e.lend(C, len(data), 10, 1).data.nbytes == 0
+        assert all(f.direct >= 0 for f in e._files.values()) and not _cached(e, C, 0, len(data))
