@@ -31,9 +31,11 @@ fio jobs (``--output-format=json``, psync, direct=0, one job, fallocate=none):
 * ``randread``       4 KiB random reads for RUNTIME s, the same way: each pass reads every block once, in
   random order, from a cold page cache; fio advises the kernel the access is random (no readahead).
 
-What stays warm: the servers' own caches (chunk files in the host page cache) and each client's own read
-cache (mfsmount's; the kvfs mount's 64 KiB block cache, ``--read-cache-mb``, 256 MiB by default), which
-fadvise cannot drop: random 4 KiB reads of a file that fits in them are mostly answered by the client.
+What stays warm: the servers' own caches (MooseFS's chunk files in the host page cache; kvfs's chunk servers
+write, and read large ranges, around it with O_DIRECT, so their 1 MiB reads come from the disk) and each
+client's own read cache (mfsmount's; the kvfs mount's 64 KiB block cache, ``--read-cache-mb``, 256 MiB by
+default), which fadvise cannot drop: random 4 KiB reads of a file that fits in them are mostly answered by the
+client.
 
 The metadata loop (``--files`` N, a child Python process with os calls, so a hung mount cannot hang the
 script): create (open O_CREAT|O_EXCL + close), stat, unlink, each phase timed on its own, in a fresh dir;

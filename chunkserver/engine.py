@@ -539,14 +539,14 @@ class ChunkEngine:
         _write_all(f.fd, data[n:], offset + n)
 
     def _stop_direct(self, f: _SlotFile, why: OSError) -> None:
-        """The file system took ``O_DIRECT`` at open but refuses a write with it: write through the page cache."""
+        """The file system took ``O_DIRECT`` at open but refuses a write or read with it: use the page cache."""
         with self._lock:
             if f.direct < 0:
                 return
             self._refused_fds.append(f.direct)  # closed with the engine: another thread may be writing with it
             f.direct = -1
-        log.warning("target %s: %s refuses direct writes (%s); writing it through the page cache", self.root,
-                    f.path.name, why.strerror)
+        log.warning("target %s: %s refuses direct I/O (%s); using the page cache for it", self.root, f.path.name,
+                    why.strerror)
 
     def _fill(self, old: _Version, cls: int, slot: int, offset: int, data: memoryview, new_len: int,
               data_blocks: list[int]) -> array:

@@ -41,7 +41,7 @@ from .dirops import DirOps, Ordered
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-FLUSH_DEPTH = 4  # write flushes in flight per open file (see _start_flush)
+FLUSH_DEPTH = 8  # write flushes in flight per open file (see _start_flush)
 
 
 #: (parent, name) argument positions of the entries each namespace operation changes.
@@ -173,7 +173,7 @@ class KvfsOperations(pyfuse3.Operations):
         write_buffer: int = 16 * MIB,
         flush_depth: int = FLUSH_DEPTH,
         read_parallel: int = 8,
-        write_parallel: int = 16,
+        write_parallel: int = 32,
         readdir_page: int = 512,
         keep_cache: bool = False,
         groups_ttl: float = 1.0,

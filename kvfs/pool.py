@@ -2,7 +2,8 @@
 
 A fresh multi-MiB ``bytearray`` costs a memset and, once glibc hands it out as new pages, a page fault per
 4 KiB: about a tenth of a chunk server's CPU while it takes writes. Buffers that are filled completely before
-anyone reads them (a received data section, a file read) can be reused instead.
+anyone reads them (a received data section, a file read) can be reused instead. :data:`RECEIVED`'s buffers are
+page-aligned anonymous mappings, so a chunk server can hand them to the disk with ``O_DIRECT``.
 
 There is no "give back" call: the data flows on to threads, replication peers and FUSE replies whose ends are
 hard to pin down, and a buffer given back too early would be overwritten under a reader. Instead the pool

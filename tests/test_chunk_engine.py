@@ -543,7 +543,7 @@ def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
             e.write_pending(C, v, 0, _aligned(data), crc32c(data), chunk_size=CS)
             e.commit(C, v)
         assert content(e, C) == data and len(refused) == 1  # the second write did not try again
-    assert "refuses direct writes" in caplog.text
+    assert "refuses direct I/O" in caplog.text
 
 
 def test_a_direct_loan_reads_around_the_page_cache_and_holds_no_slot(tmp_path: Path) -> None:
