@@ -373,6 +373,12 @@ class ChainMember:
             return (0, None)
         return (c.committed, c.pending.update.version if c.pending else None)
 
+    def has_timers(self) -> bool:
+        """Whether a :class:`Tick` can do anything: a forwarded update waits for its ack, or a resync runs. A driver
+        may tick an idle member rarely, as long as it ticks before asking it anything that depends on the time
+        (reads check the lease against the last tick's clock)."""
+        return bool(self._dirty) or self._sync is not None
+
     def sync_progress(self) -> tuple[int, int, int] | None:
         """(successor, chunks still to copy, chunks to copy in all) of the resync this member drives, or None.
 

@@ -319,6 +319,19 @@ def test_retransmit_on_tick_until_acked():
     assert isinstance(resend, Send) and resend.msg.version == 1
 
 
+def test_a_member_has_timers_only_while_a_write_or_resync_waits():
+    """What lets a driver tick idle members rarely: nothing of theirs can time out."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    head = chain.members[1]
+    assert not head.has_timers()
+    chain.run(1, head.handle(write(b"a")))
+    assert head.has_timers()  # forwarded, waiting for its ack
+    chain.deliver_all()
+    assert not head.has_timers() and not chain.members[2].has_timers()
+    head.handle(Configure(config(2, (1, S), (2, Y)), 100.0))
+    assert head.has_timers()  # a resync of the returning target
+
+
 def test_messages_round_trip_as_msgpack_with_data_stripped():
     u = UpdateReq(1, 2, CID, 1, 3, 0, crc32c(b"bulk"), requests={9: 1}, data=b"bulk")
     wire = msgspec.msgpack.encode(msgspec.structs.replace(u, data=None))
