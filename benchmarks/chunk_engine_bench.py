@@ -1,10 +1,12 @@
-"""Chunk engine throughput beside plain pwrite+fdatasync / preadv of the same sizes, in one run.
+"""Chunk engine throughput, with direct I/O (the default) and through the page cache, beside plain
+pwrite+fdatasync / preadv of the same sizes, in one run.
 
     .venv/bin/python benchmarks/chunk_engine_bench.py [--dir DIR] [--total-mib 128] [--sizes-mib 1 4 16]
 
 Writes are write_pending(full_replace)+commit with fsync=True (data fdatasync + two SQLite WAL
-fsyncs) into fresh slots, then again as overwrites into the pooled slots (steady state). Reads
-go into one reused buffer, cold (pages dropped with POSIX_FADV_DONTNEED) and warm.
+fsyncs) into fresh slots, then again as overwrites into the pooled slots (steady state), from page-aligned
+memory as a chunk server receives it. Reads are loans (``lend``, what a chunk server sends reads of 256 KiB and
+more from) and copies into one reused buffer (``read``), cold (pages dropped with POSIX_FADV_DONTNEED) and warm.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from crc32c import crc32c
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from chunkserver.engine import ChunkEngine, ChunkId  # noqa: E402
+from kvfs.pool import page_aligned  # noqa: E402
 
 MiB = 1 << 20
 
@@ -40,29 +43,40 @@ def drop(path: Path) -> None:
 
 
 def bench(root: Path, size: int, count: int) -> None:
-    data = memoryview(os.urandom(size))
+    data = memoryview(page_aligned(size))
+    data[:] = os.urandom(size)
     crc = crc32c(data)
     buf = memoryview(bytearray(size))
     total = size * count
     ids = [ChunkId(size, i) for i in range(count)]
-    with ChunkEngine(root / f"engine{size}") as e:
+    for direct_io in (True, False):
+        with ChunkEngine(root / f"engine{size}-{direct_io}", direct_io=direct_io) as e:
 
-        def write(version: int) -> None:
-            for cid in ids:
-                e.write_pending(cid, version, 0, data, crc, full_replace=True, chunk_size=size)
-                e.commit(cid, version)
+            def write(version: int) -> None:
+                for cid in ids:
+                    e.write_pending(cid, version, 0, data, crc, full_replace=True, chunk_size=size)
+                    e.commit(cid, version)
 
-        def read() -> None:
-            for cid in ids:
-                e.read(cid, 0, size, into=buf)
+            def lend() -> None:
+                for cid in ids:
+                    e.lend(cid, 0, size, 2).release()
 
-        fresh = rate(total, lambda: write(1))
-        steady = rate(total, lambda: write(2))
-        for p in {e.local_location(c)[0] for c in ids}:
-            drop(p)
-        cold = rate(total, read)
-        warm = rate(total, read)
-    print(f"{size // MiB:3d} MiB engine  write+commit fresh {fresh}  overwrite {steady}  read cold {cold}  warm {warm}")
+            def read() -> None:
+                for cid in ids:
+                    e.read(cid, 0, size, into=buf)
+
+            def after_drop(fn: Callable[[], None]) -> str:
+                for p in {e.local_location(c)[0] for c in ids}:
+                    drop(p)
+                return rate(total, fn)
+
+            fresh = rate(total, lambda: write(1))
+            steady = rate(total, lambda: write(2))
+            # reads first: a loan maps the pages without direct I/O, and mapped pages cannot be dropped
+            figures = (f"read cold {after_drop(read)} warm {rate(total, read)}  "
+                       f"lend cold {after_drop(lend)} warm {rate(total, lend)}")
+        print(f"{size // MiB:3d} MiB engine, {'direct  ' if direct_io else 'buffered'}  write+commit fresh {fresh}"
+              f"  overwrite {steady}  {figures}")
 
     path = root / f"raw{size}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -85,7 +99,8 @@ def bench(root: Path, size: int, count: int) -> None:
         warm = rate(total, raw_read)
     finally:
         os.close(fd)
-    print(f"{size // MiB:3d} MiB raw     pwrite+fdatasync   {fresh}  overwrite {steady}  read cold {cold}  warm {warm}")
+    print(f"{size // MiB:3d} MiB raw pwrite+fdatasync, buffered  fresh {fresh}  overwrite {steady}  "
+          f"preadv cold {cold} warm {warm}")
 
 
 def main() -> None:
