@@ -65,8 +65,8 @@ SYNC_SECONDS = prometheus_client.Histogram(
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
 _IDLE_TICK = 0.25  # seconds between ticks while no member has anything to time (see ChunkServer._tick_loop)
-_LEND_FROM = 256 << 10  # reads from this size are sent from the slot file's mapping: a copy out of the page cache
-# costs more than a worker-thread hop (README, "Reads"); smaller ones are copied inline from the page cache
+_LEND_FROM = 256 << 10  # reads from this size are loans, taken in a worker thread (chunkserver/README.md, "Reads");
+# for smaller ones a copy from the page cache, inline when cached, costs less than the thread hop
 
 
 def target_id_for(node_id: int, index: int) -> int:
@@ -474,9 +474,9 @@ class ChunkServer:
 
     async def _engine_data(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
                            ctx: CallContext) -> memoryview | bytes:
-        """The bytes of a read. Large ones are sent straight from the slot file's mapping, the slot released once
-        the reply is out; small ones are copied into a pooled buffer, from the page cache inline, else in a
-        thread. The engine pins the version when it starts reading: if it is gone by then (the read waited for
+        """The bytes of a read. Large ones are a loan (:meth:`ChunkEngine.lend`, in a worker thread: a direct read
+        into a pooled buffer, or the slot file's mapping), released once the reply is out; small ones are copied
+        into a pooled buffer, from the page cache inline, else in a thread. The engine pins the version when it starts reading: if it is gone by then (the read waited for
         a thread while a newer version committed), the chunk was removed (a hole) or moved on (retry)."""
         cid = _engine_id(chunk_id)
         try:
