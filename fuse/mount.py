@@ -81,6 +81,42 @@ def set_read_ahead(mountpoint: str, kib: int) -> bool:
         return False
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def fusectl_dir(mountpoint: str) -> str | None:
+    """The mount's directory under fusectl (named by the kernel's device number), mounting fusectl first if no one
+    did (systemd does at boot; containers often do not); None if that is not possible (not root)."""
+    dev = _mount_dev(mountpoint)
+    if dev is None:
+        return None
+    major, minor = (int(x) for x in dev.split(":"))
+    path = os.path.join(FUSECTL, str(major << 20 | minor))  # the kernel's dev_t, as fs/fuse/control.c names it
+    if not os.path.isdir(path) and os.path.isdir(FUSECTL) and not os.listdir(FUSECTL) and os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+    return path if os.path.isdir(path) else None
+
+
+def set_max_background(mountpoint: str, requests: int) -> bool:
+    """Let the kernel keep ``requests`` asynchronous requests (readahead) in flight to the mount instead of its
+    default 12 (congested at 9): a sequential reader's readahead stalls at that many 1 MiB reads while each
+    waits for a chunk server's disk. fs_compare's 1 MiB sequential reads on ``kvfs up``: 616-684 MB/s at 64
+    against 546-572 at 12. Needs root (fusectl's files are root's); False if not possible."""
+    path = fusectl_dir(mountpoint)
+    if path is None:
+        log.info("could not raise max_background for %s: no fusectl directory (not root?)", mountpoint)
+        return False
+    try:
+        for name, value in (("max_background", requests), ("congestion_threshold", requests * 3 // 4)):
+            with open(os.path.join(path, name), "w") as f:
+                f.write(str(value))
+        return True
+    except OSError as e:
+        log.info("could not raise max_background for %s: %s", mountpoint, e)
+        return False
+
+
 def force_unmount(path: str) -> bool:
     """Lazily unmount ``path`` (what a crashed daemon leaves behind); True if something was unmounted."""
     for cmd in (["fusermount3", "-u", "-z", path], ["fusermount", "-u", "-z", path], ["umount", "-l", path]):
@@ -99,6 +135,7 @@ async def run_mount(
     *,
     allow_other: bool = True,
     read_ahead_kb: int = 4096,
+    max_background: int = 64,
     extra_options: Iterable[str] = (),
     handle_signals: bool = True,
     task_status=trio.TASK_STATUS_IGNORED,
@@ -122,8 +159,8 @@ async def run_mount(
                 ops.nursery = nursery
                 if signals is not None:
                     nursery.start_soon(_on_signals, ops, signals, nursery.cancel_scope)
-                if read_ahead_kb:
-                    nursery.start_soon(_raise_read_ahead, ops, mountpoint, read_ahead_kb)
+                if read_ahead_kb or max_background:
+                    nursery.start_soon(_tune_kernel, ops, mountpoint, read_ahead_kb, max_background)
                 if ops.coherence is not None:
                     follower = Caller(os.getuid(), os.getgid(), client=ops.client_id)
                     nursery.start_soon(ops.coherence.follow, meta, follower)
@@ -142,12 +179,16 @@ async def run_mount(
                 log.exception("pyfuse3.close")
 
 
-async def _raise_read_ahead(ops: KvfsOperations, mountpoint: str, kib: int) -> None:
-    """The kernel sets the bdi's readahead from the INIT reply, so raise it only after INIT is done."""
+async def _tune_kernel(ops: KvfsOperations, mountpoint: str, read_ahead_kb: int, max_background: int) -> None:
+    """The kernel sets the bdi's readahead and the connection's limits from the INIT reply, so raise them only
+    after INIT is done (0 leaves one as the kernel set it)."""
     with trio.move_on_after(30):
         await ops.initialized.wait()
         await trio.sleep(0.2)  # the reply is written right after init() returns
-        set_read_ahead(mountpoint, kib)
+        if read_ahead_kb:
+            set_read_ahead(mountpoint, read_ahead_kb)
+        if max_background:
+            set_max_background(mountpoint, max_background)
 
 
 async def _on_signals(ops: KvfsOperations, signals: Any, scope: trio.CancelScope) -> None:

@@ -119,6 +119,9 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
 @_config_option
 @click.argument("mountpoint", type=click.Path(file_okay=False, exists=True))
 @click.option("--read-ahead-kb", default=4096, show_default=True, help="Kernel readahead for the mount.")
+@click.option("--max-background", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Asynchronous requests (readahead) the kernel keeps in flight to the mount (needs root; "
+                   "0: the kernel's default, 12).")
 @click.option("--attr-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds the kernel may keep a file's attributes without asking meta, while the change feed "
                    "is not followed.")
@@ -137,9 +140,9 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
               help="Answer creates and removals in directories meta delegates to this mount without waiting for "
                    "meta (sent in batches within milliseconds; needs the change feed). --no-delegations: every "
                    "namespace change waits for meta.")
-def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, attr_timeout: float,
-              entry_timeout: float, negative_timeout: float, read_cache_mb: int, coherent_timeout: float,
-              delegations: bool) -> None:
+def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, max_background: int,
+              attr_timeout: float, entry_timeout: float, negative_timeout: float, read_cache_mb: int,
+              coherent_timeout: float, delegations: bool) -> None:
     """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
 
     The mount follows meta's change feed: other clients' changes reach the kernel's caches within
@@ -149,6 +152,7 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
 
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
+                                      max_background=max_background,
                                       attr_timeout=attr_timeout, entry_timeout=entry_timeout,
                                       negative_timeout=negative_timeout, read_cache=read_cache_mb << 20,
                                       coherent_timeout=coherent_timeout, delegations=delegations))

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,7 @@ from cluster_fixtures import (
     KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, second_mount, started,
     wait_until,
 )
+from fuse.mount import fusectl_dir
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE
@@ -141,6 +143,15 @@ def test_chunk_writes_and_their_forwards_go_through_shared_memory_on_one_host(cl
     accepted = {name: "through shared memory" in (cluster.data / "logs" / f"{name}.log").read_text()
                 for name in ("cs1", "cs2", "cs3")}
     assert sum(accepted.values()) == 3, accepted  # head from the mount, the others from their predecessors
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fusectl's files are root's: the mount can raise max_background as root only")
+def test_the_mount_lets_the_kernel_keep_64_readahead_requests_in_flight(cluster):
+    """The kernel's default, 12 (congested at 9), stalls a sequential reader's readahead behind the chunk
+    servers' disk reads; ``kvfs mount --max-background`` (64 by default) raises it once INIT is done."""
+    path = Path(wait_until(lambda: fusectl_dir(str(cluster.mount.resolve())), 10, "the mount's fusectl directory"))
+    wait_until(lambda: (path / "max_background").read_text().strip() == "64", 10, "max_background 64")
+    assert (path / "congestion_threshold").read_text().strip() == "48"
 
 
 def test_status_json_lists_processes_targets_and_chains(cluster):
