@@ -25,7 +25,7 @@ from cluster_fixtures import (
     KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, second_mount, started,
     wait_until,
 )
-from fuse.mount import fusectl_dir
+from fuse.mount import FUSECTL, fusectl_dir
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE
@@ -146,6 +146,7 @@ def test_chunk_writes_and_their_forwards_go_through_shared_memory_on_one_host(cl
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="fusectl's files are root's: the mount can raise max_background as root only")
+@pytest.mark.skipif(not os.path.isdir(FUSECTL), reason=f"no {FUSECTL}: this kernel has no fusectl")
 def test_the_mount_lets_the_kernel_keep_64_readahead_requests_in_flight(cluster):
     """The kernel's default, 12 (congested at 9), stalls a sequential reader's readahead behind the chunk
     servers' disk reads; ``kvfs mount --max-background`` (64 by default) raises it once INIT is done."""
