@@ -244,7 +244,7 @@ class StorageClient:
 
     async def sync(self, ino: int) -> None:
         """Make this client's writes and truncations of ``ino`` durable on every replica (the file's fsync):
-        chunk servers may acknowledge them from their page cache. A target flushes all it holds, so this syncs
+        chunk servers may acknowledge them before they are flushed. A target flushes all it holds, so this syncs
         the chains any of this client's writes reached since its last sync: state bounded by the chains, not by
         the files ever written. Returns at once if nothing is unsynced."""
         async with self._sync_lock:  # a concurrent sync waits for this one, then syncs what came after

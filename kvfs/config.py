@@ -48,11 +48,11 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     targets: list[str] = []
     #: False: never flush to disk (tests, scratch clusters); nothing survives a power loss.
     fsync: bool = True
-    #: True: flush every write before acknowledging it. False (write-back): acknowledge from the page cache and
+    #: True: flush every write before acknowledging it. False (write-back): acknowledge once written, unflushed, and
     #: flush at a client's fsync and every ``sync_interval`` seconds; a power loss loses at most the writes since.
     write_through: bool = False
     sync_interval: float = 5.0
-    #: Write chunk data around the page cache (O_DIRECT) where the file system allows; reads still use it.
+    #: Write chunk data, and read large ranges, around the page cache (O_DIRECT) where the file system allows.
     direct_io: bool = True
     capacity_bytes: int | None = None
 
