@@ -78,7 +78,6 @@ use until a durable one; a write that would otherwise grow the slot file makes o
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
@@ -99,6 +98,7 @@ from crc32c import crc32c
 from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 from kvfs.pool import RECEIVED, page_aligned
+from kvfs.transport.buffers import buffer_address
 
 log = logging.getLogger("kvfs.chunkserver.engine")
 
@@ -205,7 +205,7 @@ def _direct_length(data: memoryview, offset: int) -> int:
     n = len(data) // DIRECT_ALIGN * DIRECT_ALIGN
     if not n or offset % DIRECT_ALIGN or data.readonly:
         return 0
-    return n if ctypes.addressof(ctypes.c_char.from_buffer(data)) % DIRECT_ALIGN == 0 else 0
+    return n if buffer_address(data) % DIRECT_ALIGN == 0 else 0
 
 
 def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int] | None = None) -> list[int]:

@@ -187,8 +187,8 @@ async def _tune_kernel(ops: KvfsOperations, mountpoint: str, read_ahead_kb: int,
         await trio.sleep(0.2)  # the reply is written right after init() returns
         if read_ahead_kb:
             set_read_ahead(mountpoint, read_ahead_kb)
-        if max_background:
-            set_max_background(mountpoint, max_background)
+        if max_background:  # may run mount(8) for fusectl: not in the loop that answers the kernel
+            await trio.to_thread.run_sync(set_max_background, mountpoint, max_background)
 
 
 async def _on_signals(ops: KvfsOperations, signals: Any, scope: trio.CancelScope) -> None:
