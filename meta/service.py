@@ -174,7 +174,7 @@ class _Watchers:
 
 
 GC_BATCH = 64
-EXPIRE_BATCH = 256
-TRIM_BATCH = 4096  # change-feed records dropped per transaction  # sessions of lapsed clients ended per transaction
-GC_DUTY = 0.25
-RECALL_REPEAT = 0.5  # seconds between recalls of one directory that this instance publishes  # at most this share of the time goes to collecting while a backlog lasts
+EXPIRE_BATCH = 256  # sessions of lapsed clients ended per transaction
+TRIM_BATCH = 4096  # change-feed records dropped per transaction
+GC_DUTY = 0.25  # at most this share of the time goes to collecting while a backlog lasts
+RECALL_REPEAT = 0.5  # seconds between recalls of one directory that this instance publishes

@@ -297,10 +297,12 @@ class MetaStore:
 
     def _drop_link(self, tr: Transaction, inode: Inode) -> None:
         """Remove one name of ``inode``.  A regular file's last link queues it for chunk GC (the
-        record stays while write sessions are open); anything else has no chunks and goes now."""
+        record stays while write sessions are open); anything else goes now, and so does a file that never
+        had a write session (``written``: no chunk server holds any of it), so that a loop that creates and
+        removes files leaves the collector no work to compete with its next creates."""
         inode.attr.nlink = 0 if _is_dir(inode) else inode.attr.nlink - 1
         self._touch(inode, mtime=False)
-        if inode.attr.nlink > 0 or stat.S_ISREG(inode.attr.mode):
+        if inode.attr.nlink > 0 or (stat.S_ISREG(inode.attr.mode) and inode.written):
             self._put(tr, inode)
             if inode.attr.nlink == 0:
                 tr.set(schema.gc(inode.attr.ino), b"")
