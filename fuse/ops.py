@@ -131,6 +131,7 @@ class _Handle:
     flags: int
     caller: Caller
     session: int | None
+    hold: int | None = None  # a read-only open's hold session: the file outlives its last name while open
     lock: trio.Lock = field(default_factory=trio.Lock)
     buf: Any = field(default_factory=bytearray)  # bytearray, or a buffer in shared memory (_write_buffer)
     buf_off: int = 0
@@ -200,7 +201,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.groups_ttl = groups_ttl
         self.cache = BlockCache(read_cache) if read_cache else None
         self.coherence = Coherence(coherent_timeout) if coherent_timeout > 0 and hasattr(meta, "watch") else None
-        self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's write sessions
+        self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's sessions
         self.dirops: DirOps | None = None
         if delegations and self.coherence is not None and self.client_id:
             self.dirops = DirOps(meta, self.coherence, self.client_id)
@@ -216,7 +217,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
-        self._closing = 0  # write sessions being ended in the background (queued or on their way)
+        self._closing = 0  # sessions (write sessions, holds) being ended in the background (queued or on their way)
         self._to_close: list[tuple[int, int, None]] = []  # (ino, session, no exact length) not yet sent
         # directory inode -> (attributes a create of ours just returned, expiry): see getattr
         self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
@@ -661,7 +662,7 @@ class KvfsOperations(pyfuse3.Operations):
         st.stamp = (attr.mtime_ns, attr.size)
         if self.cache is not None:
             self.cache.opened(attr.ino, st.stamp)
-        h = _Handle(self._new_fh(), st, flags, caller, session)
+        h = _Handle(self._new_fh(), st, flags, caller, session, opened.hold)
         st.handles.add(h)
         self._handles[h.fh] = h
         fi = pyfuse3.FileInfo(fh=h.fh)
@@ -680,7 +681,9 @@ class KvfsOperations(pyfuse3.Operations):
                 old = st.size
             else:
                 old = (await self.meta.getattr(caller, inode)).size
-        opened = await self.meta.open(caller, inode, flags)
+        # hold: a read-only open keeps the file from meta's GC too, so it stays readable after another process
+        # (here or on another host) removes or replaces its last name, as POSIX promises
+        opened = await self.meta.open(caller, inode, flags, hold=True)
         fi = await self._attach(caller, opened, flags)
         if flags & os.O_TRUNC and stat.S_ISREG(opened.attr.mode):
             st = self._inodes[inode]
@@ -954,12 +957,15 @@ class KvfsOperations(pyfuse3.Operations):
                 self._inodes.pop(st.ino, None)
             if h.session is not None and not (self.dirops is not None and self.dirops.end_session(st.ino, h.session)):
                 self._close_in_background(h.caller, st.ino, h.session)
+            if h.hold is not None:
+                self._close_in_background(h.caller, st.ino, h.hold)
 
     def _close_in_background(self, caller: Caller, ino: int, session: int) -> None:
-        """End a write session without making close(2) wait: the kernel ignores release's answer anyway, the
-        length meta needs was reported when the buffers were flushed, and one round trip fewer per file is a
-        large share of a small file's cost. Sessions to end queue up while a batch is on its way and go
-        together in one ``close_sessions`` call. Orderly unmounts wait for these (``flush_all``).
+        """End a session (a write session or a read-only open's hold) without making close(2) wait: the kernel
+        ignores release's answer anyway, the length meta needs was reported when the buffers were flushed, and one
+        round trip fewer per file is a large share of a small file's cost. Sessions to end queue up while a batch
+        is on its way and go together in one ``close_sessions`` call. Orderly unmounts wait for these
+        (``flush_all``).
 
         No exact length goes with them: the kernel sends RELEASE after close(2) has returned, so a later open of
         the same file may already have written (and reported) more by the time this session ends, and an exact
@@ -988,7 +994,7 @@ class KvfsOperations(pyfuse3.Operations):
                     await self.dirops.settled(self._close_after)
                     await self.meta.unordered.close_sessions(caller, batch)
             except Exception:
-                log.exception("ending %d write sessions (inodes %s...)", len(batch), [b[0] for b in batch[:5]])
+                log.exception("ending %d sessions (inodes %s...)", len(batch), [b[0] for b in batch[:5]])
             finally:
                 self._closing -= len(batch)
                 if not self._closing:

@@ -297,12 +297,15 @@ class MetaStore:
 
     def _drop_link(self, tr: Transaction, inode: Inode) -> None:
         """Remove one name of ``inode``.  A regular file's last link queues it for chunk GC (the
-        record stays while write sessions are open); anything else goes now, and so does a file that never
-        had a write session (``written``: no chunk server holds any of it), so that a loop that creates and
-        removes files leaves the collector no work to compete with its next creates."""
+        record stays while sessions are open, holds of read-only opens included); anything else goes now, and so
+        does a file that never had a write session (``written``: no chunk server holds any of it) and is not open,
+        so that a loop that creates and removes files leaves the collector no work to compete with its next
+        creates."""
         inode.attr.nlink = 0 if _is_dir(inode) else inode.attr.nlink - 1
         self._touch(inode, mtime=False)
-        if inode.attr.nlink > 0 or (stat.S_ISREG(inode.attr.mode) and inode.written):
+        if inode.attr.nlink > 0 or (
+            stat.S_ISREG(inode.attr.mode) and (inode.written or self._sessions(tr, inode.attr.ino))
+        ):
             self._put(tr, inode)
             if inode.attr.nlink == 0:
                 tr.set(schema.gc(inode.attr.ino), b"")
@@ -885,12 +888,14 @@ class MetaStore:
         self._write(fn)
 
     # ------------------------------------------------------------------ sessions ----------
-    def open(self, caller: Caller, ino: int, flags: int) -> Opened:
+    def open(self, caller: Caller, ino: int, flags: int, hold: bool = False) -> Opened:
         """Check access for ``flags``; ``O_TRUNC`` truncates; opening a regular file for writing
-        starts a write session that keeps its chunks alive until :meth:`close`."""
-        return self._write(self._open, caller, ino, flags)
+        starts a write session that keeps its chunks alive until :meth:`close`. ``hold``: a read-only open of a
+        regular file gets a hold session (``Opened.hold``), which keeps the file readable after its last name
+        goes, as POSIX wants, until it is closed the same way (or its client's lease lapses)."""
+        return self._write(self._open, caller, ino, flags, hold)
 
-    def _open(self, tr: Transaction, caller: Caller, ino: int, flags: int) -> Opened:
+    def _open(self, tr: Transaction, caller: Caller, ino: int, flags: int, hold: bool = False) -> Opened:
         inode = self._live(tr, ino)
         wants = _open_wants(flags)
         if flags & os.O_TRUNC:
@@ -905,26 +910,32 @@ class MetaStore:
             _kill_suid(caller, inode.attr)
             self._touch(inode)
             self._put(tr, inode)
-        return Opened(inode.attr, self._start_session(tr, caller, inode, flags), inode.layout)
+        session = self._start_session(tr, caller, inode, flags)
+        held = None
+        if hold and session is None and stat.S_ISREG(inode.attr.mode):
+            held = self._add_session(tr, caller, inode.attr.ino, secrets.randbits(63), hold=True)
+        return Opened(inode.attr, session, inode.layout, hold=held)
 
     def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int,
                        sid: int | None = None) -> int | None:
         if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
             return None
-        if sid is None:
-            sid = secrets.randbits(63)
         if not inode.written:  # its chunks may exist from now on: the collector must look for them
             inode.written = True
             self._put(tr, inode)
+        return self._add_session(tr, caller, inode.attr.ino, secrets.randbits(63) if sid is None else sid)
+
+    def _add_session(self, tr: Transaction, caller: Caller, ino: int, sid: int, *, hold: bool = False) -> int:
         now = self._clock()
-        tr.set(schema.session(inode.attr.ino, sid), _enc.encode(Session(caller.uid, caller.pid, now, caller.client)))
+        tr.set(schema.session(ino, sid), _enc.encode(Session(caller.uid, caller.pid, now, caller.client, hold)))
         if caller.client:
-            tr.set(schema.owned_session(caller.client, inode.attr.ino, sid), b"")
+            tr.set(schema.owned_session(caller.client, ino, sid), b"")
             tr.set(schema.client(caller.client), encode_int(now))  # a session start renews the lease
         return sid
 
     def _session_inode(self, tr: Transaction, ino: int, session: int) -> Inode:
-        if tr.get(schema.session(ino, session)) is None:
+        raw = tr.get(schema.session(ino, session))
+        if raw is None or _dec_session.decode(raw).hold:
             raise _err(errno.EBADF, f"no write session {session} on inode {ino}")
         return self._inode(tr, ino)
 
@@ -957,8 +968,9 @@ class MetaStore:
         return self.db.run(fn)
 
     def close(self, caller: Caller, ino: int, session: int | None, exact_length: int | None = None) -> Attr:
-        """End a write session (idempotent, so a retried close is harmless), optionally fixing the
-        exact length first.  An unlinked file's chunks become collectable when its last session closes."""
+        """End a session, a write session or a hold (idempotent, so a retried close is harmless), optionally
+        fixing the exact length first (write sessions only). An unlinked file's chunks become collectable when its
+        last session closes."""
         def fn(tr: Transaction) -> Attr:
             inode = self._inode(tr, ino)
             if session is not None:
@@ -986,10 +998,12 @@ class MetaStore:
         raw = tr.get(key)
         if raw is None:
             return False
+        record = _dec_session.decode(raw)
+        if record.hold and exact_length is not None:  # a read-only open may not set the length
+            raise _err(errno.EBADF, f"session {session} on inode {inode.attr.ino} is a read-only open's")
         tr.clear(key)
-        owner = _dec_session.decode(raw).client
-        if owner:
-            tr.clear(schema.owned_session(owner, inode.attr.ino, session))
+        if record.client:
+            tr.clear(schema.owned_session(record.client, inode.attr.ino, session))
         if exact_length is not None:
             inode.attr.size = exact_length
             self._touch(inode, mtime=False)

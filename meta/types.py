@@ -118,22 +118,26 @@ class DirPage(msgspec.Struct):
 
 class Opened(msgspec.Struct):
     """Result of create/open: the attributes, the write session id when opened for writing, the file's
-    layout (a client needs it for any I/O; returning it here saves a round trip per newly seen file), and after a
-    create the parent directory's new attributes (the kernel asks for them right after)."""
+    layout (a client needs it for any I/O; returning it here saves a round trip per newly seen file), after a
+    create the parent directory's new attributes (the kernel asks for them right after), and the hold session id
+    of a read-only open that asked for one (``MetaStore.open(..., hold=True)``)."""
 
     attr: Attr
     session: int | None = None
     layout: Layout | None = None
     parent: Attr | None = None
+    hold: int | None = None
 
 
 class Session(msgspec.Struct):
-    """A write-open session (key ``("meta", "s", ino, session)``)."""
+    """An open session (key ``("meta", "s", ino, session)``): a write-open's, or a read-only open's hold, which
+    only keeps the file (and its chunks) from garbage collection once its last name is gone."""
 
     uid: int
     pid: int
     opened_ns: int
     client: bytes = b""  # empty: a client without a lease (in-process), whose sessions never expire
+    hold: bool = False  # a read-only open's: it may not report lengths
 
 
 class StatFs(msgspec.Struct):

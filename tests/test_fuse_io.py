@@ -282,11 +282,19 @@ def test_fallocate_not_supported_or_emulated(d):
 
 
 def test_unlinked_open_file_stays_readable(d):
-    p = d / "f"
-    p.write_bytes(b"keep me")
-    with open(p, "rb") as f:
-        os.unlink(p)
-        assert f.read() == b"keep me"
+    """Removed, or replaced by a rename (as a deployment swaps a model file under running readers). That this
+    outlasts meta's GC is shown on a real cluster (test_mount_posix)."""
+    data = pattern(3 * CHUNK + 5, seed=7)
+    (d / "f").write_bytes(data)
+    (d / "g").write_bytes(b"old")
+    (d / "new").write_bytes(b"new")
+    with open(d / "f", "rb") as f, open(d / "g", "rb") as g:
+        assert f.read(10) == data[:10]
+        os.unlink(d / "f")
+        os.rename(d / "new", d / "g")
+        assert f.read() == data[10:] and g.read() == b"old"
+        assert os.fstat(f.fileno()).st_size == len(data) and os.fstat(f.fileno()).st_nlink == 0
+    assert (d / "g").read_bytes() == b"new" and not (d / "f").exists()
 
 
 def test_storage_errors_reach_the_writer(tmp_path):

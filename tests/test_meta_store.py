@@ -396,6 +396,55 @@ def test_sessions_length_and_gc(ms, remover):
     assert ms.gc_once() == 0
 
 
+def test_a_read_only_open_with_a_hold_keeps_a_removed_file_until_it_closes(ms, remover):
+    """POSIX: a file stays readable through descriptors opened before its last name went. Read-only opens
+    that ask for it get a hold session, which the collector waits for as for a write session."""
+    w = ms.create(ALICE, ROOT_INO, b"written", 0o644, os.O_WRONLY)
+    ms.close(ALICE, w.attr.ino, w.session, exact_length=4096)
+    never = ms.mknod(ALICE, ROOT_INO, b"never", 0o644)  # no write session ever: no chunks anywhere
+    assert ms.open(ALICE, never.ino, os.O_RDONLY).hold is None  # only when asked
+    holds = {}
+    for name, ino in ((b"written", w.attr.ino), (b"never", never.ino)):
+        o = ms.open(BOB, ino, os.O_RDONLY, hold=True)
+        assert o.session is None and o.hold is not None
+        holds[ino] = o.hold
+        ms.unlink(ALICE, ROOT_INO, name)
+        assert ms.getattr(BOB, ino).nlink == 0  # still there for fstat
+    assert ms.getattr(BOB, never.ino).size == 0 and ms.getattr(BOB, w.attr.ino).size == 4096
+    assert ms.gc_once() == 0 and remover.removed == []
+    # a hold cannot set lengths: a read-only open must not be a way to change the file
+    ino, hold = w.attr.ino, holds[w.attr.ino]
+    fails(errno.EBADF, ms.report_length, BOB, ino, hold, 1)
+    fails(errno.EBADF, ms.set_length, BOB, ino, hold, 1)
+    fails(errno.EBADF, ms.close, BOB, ino, hold, exact_length=1)
+    assert ms.close_sessions(BOB, [(i, h, None) for i, h in holds.items()]) == 2
+    assert ms.gc_once() == 2 and remover.removed == [w.attr.ino]  # the never-written one needs no chunk removal
+    fails(errno.ENOENT, ms.getattr, ROOT, never.ino)
+
+
+def test_holds_of_a_client_whose_lease_lapses_end(db, remover):
+    now = [10**18]
+    ms = MetaStore(db, chunk_remover=remover, clock=lambda: now[0], client_lease=60)
+    ms.format(mode=0o777)
+    crashed = Caller(1000, 1000, client=b"C" * 12)
+    f = ms.mknod(crashed, ROOT_INO, b"f", 0o644)
+    assert ms.open(crashed, f.ino, os.O_RDONLY, hold=True).hold is not None
+    ms.unlink(crashed, ROOT_INO, b"f")
+    assert ms.expire_clients() == 0 and ms.gc_once() == 0
+    now[0] += 60 * 10**9 + 1
+    assert ms.expire_clients() == 1 and ms.gc_once() == 1
+    assert check(db) == []
+
+
+def test_a_hold_asked_for_on_a_write_open_is_the_write_session(ms):
+    f = ms.mknod(ALICE, ROOT_INO, b"f", 0o644)
+    o = ms.open(ALICE, f.ino, os.O_RDWR, hold=True)
+    assert o.session is not None and o.hold is None
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
+    assert ms.open(ALICE, d.ino, os.O_RDONLY | os.O_DIRECTORY, hold=True).hold is None  # files only
+    ms.close(ALICE, f.ino, o.session)
+
+
 def test_truncate_on_open(ms):
     o = ms.create(ALICE, ROOT_INO, b"f", 0o644, os.O_WRONLY)
     ms.report_length(ALICE, o.attr.ino, o.session, 100)

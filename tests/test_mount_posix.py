@@ -434,6 +434,30 @@ def test_removed_files_chunks_are_collected_without_an_interval_between_batches(
     wait_until(lambda: chunks_held(kvfs_cluster.data, inodes) == 0, 15, "the removed files' chunks to go", 0.2)
 
 
+def test_a_removed_file_stays_readable_while_open_also_after_gc(kvfs_cluster, d):
+    """POSIX keeps a file readable through descriptors opened before its last name went, until they close, and
+    meta's GC must not take it meanwhile: a read-only open holds it. The control file goes while closed; once its
+    chunks are gone, GC has had its turn (it passes over the held ones, queued before it, in the same scan)."""
+    data = os.urandom(3 * MIB + 5)
+    (d / "open").write_bytes(data)
+    (d / "replaced").write_bytes(b"old" * 1000)
+    (d / "control").write_bytes(b"c")
+    (d / "new").write_bytes(b"new")
+    inodes = {name: os.stat(d / name).st_ino for name in ("open", "replaced", "control")}
+    with open(d / "open", "rb", buffering=0) as f, open(d / "replaced", "rb", buffering=0) as g:
+        os.unlink(d / "open")
+        os.rename(d / "new", d / "replaced")  # as a deployment swaps a file under running readers
+        os.unlink(d / "control")
+        wait_until(lambda: chunks_held(kvfs_cluster.data, [inodes["control"]]) == 0, 20, "GC to collect the control")
+        assert chunks_held(kvfs_cluster.data, [inodes["open"], inodes["replaced"]]) == 3 * (1 + 1)
+        for held in (f, g):  # read from the chunk servers, not the kernel's page cache
+            os.posix_fadvise(held.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert f.read() == data and g.read() == b"old" * 1000
+        st = os.fstat(f.fileno())
+        assert st.st_size == len(data) and st.st_nlink == 0
+    wait_until(lambda: chunks_held(kvfs_cluster.data, list(inodes.values())) == 0, 20, "the closed files to go")
+
+
 # ------------------------------------------------------------------------------------------- locks
 LOCKER = r"""
 import fcntl, os, struct, sys
