@@ -5,10 +5,13 @@ the metadata loop on an in-memory pyfuse3 filesystem (the floor under kvfs's met
     sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000]
                                                     [--meta-rounds 3] [--no-kvfs-fsync | --kvfs-write-through]
                                                     [--skip-kvfs] [--skip-moosefs] [--skip-local] [--skip-pyfuse3]
-                                                    [--install] [--keep] [--json-out FILE]
+                                                    [--repeat 1] [--install] [--keep] [--json-out FILE]
 
 Targets, one after the other (each is set up, measured and torn down before the next starts, so idle
-daemons of one do not steal CPU from another on a small machine):
+daemons of one do not steal CPU from another on a small machine). ``--repeat N`` runs them all N times, in
+the listed order on odd passes and in reverse on even ones, each pass on freshly set-up targets: the tables
+then show each figure's median over the passes, and a third table kvfs/MooseFS in every pass, since on a
+shared VM the machine itself speeds up and slows down by tens of percent from one minute to the next.
 
 * ``local``   a directory under the work dir (same disk as the other two targets' data);
 * ``pyfuse3`` ``benchmarks/memfs.py``: an in-memory filesystem on pyfuse3 and trio with the kvfs mount's options
@@ -458,7 +461,7 @@ class KvfsTarget(Target):
         stale = set()
         for proc in Path("/proc").iterdir():
             with contextlib.suppress(OSError):
-                m = re.search(rb"\x00(/[^\x00]*/fs_compare-[^/\x00]+/kvfs-data)/cluster\.toml\x00",
+                m = re.search(rb"\x00(/[^\x00]*/fs_compare-[^/\x00]+/(?:pass\d+/)?kvfs-data)/cluster\.toml\x00",
                               (proc / "cmdline").read_bytes())
                 if m and Path(m.group(1).decode()) != self.data:
                     stale.add(m.group(1).decode())
@@ -621,7 +624,7 @@ class MooseFSTarget(Target):
         for proc in Path("/proc").iterdir():
             with contextlib.suppress(OSError, ValueError):
                 cmdline = (proc / "cmdline").read_bytes()
-                if cmdline.startswith(b"mfsmount") and re.search(rb"/fs_compare-[^/\x00]+/moosefs-mnt", cmdline):
+                if cmdline.startswith(b"mfsmount") and re.search(rb"/fs_compare-[^/\x00]+/(?:pass\d+/)?moosefs-mnt", cmdline):
                     log(f"  killing stale mfsmount of an earlier run (pid {proc.name})")
                     os.kill(int(proc.name), signal.SIGKILL)
         if self._netns_exists() or self._link_exists():
@@ -825,6 +828,72 @@ def versions() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def measure_target(target: Target, args: argparse.Namespace, work: Path, have_fio: bool,
+                   results: dict[str, dict[str, float]], details: dict[str, Any], skipped: dict[str, str],
+                   notes: list[str]) -> int:
+    """Set up ``target``, run the fio jobs and the metadata loop on it into ``results[target.name]``, tear it
+    down; returns the exit status to merge (1 when something failed). An unavailable target is noted in
+    ``skipped`` and not tried again."""
+    why = target.unavailable()
+    if why:
+        log(f"SKIPPING {target.name}: {why}")
+        skipped[target.name] = why
+        return 0
+    log(f"== {target.name}")
+    status = 0
+    try:
+        try:
+            directory = target.setup()
+        except BenchError as e:
+            log(f"SKIPPING {target.name}: set-up failed: {e}")
+            skipped[target.name] = f"set-up failed: {e}"
+            return 1
+        figures = results[target.name] = {}
+        if have_fio and target.has_data:
+            details[target.name] = {}
+            if not run_fio(directory, work, target.name, args.size, args.runtime, figures, details[target.name]):
+                return 1  # (the finally below tears it down)
+        run_meta(directory, args.files, args.meta_rounds, figures)
+    finally:
+        with signals_deferred():
+            log(f"  tearing down {target.name}")
+            try:
+                target.teardown()
+            except Exception as e:  # noqa: BLE001 - report, keep tearing down the rest
+                log(f"  tear-down of {target.name} failed: {e}")
+                status = 1
+            notes += [f"{target.name}: {n}" for n in target.notes]
+            target.notes.clear()
+    return status
+
+
+def median_results(passes: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each target's figures as the median over the passes that measured them."""
+    out: dict[str, dict[str, float]] = {}
+    for name in {name for p in passes for name in p}:
+        keys = {k for p in passes for k in p.get(name, {})}
+        out[name] = {k: statistics.median(p[name][k] for p in passes if k in p.get(name, {})) for k in keys}
+    return out
+
+
+def pass_ratios(passes: list[dict[str, dict[str, float]]]) -> str:
+    """Markdown table of kvfs/MooseFS in every pass, and in how many kvfs was at or above."""
+    head = ["metric", *(f"pass {i + 1}" for i in range(len(passes))), "at or above"]
+    rows = []
+    for key, label, _ in METRICS:
+        ratios = [p["kvfs"][key] / p["moosefs"][key] if p.get("kvfs", {}).get(key) and p.get("moosefs", {}).get(key)
+                  else None for p in passes]
+        known = [r for r in ratios if r is not None]
+        rows.append([label, *(f"{r:.2f}x" if r is not None else "-" for r in ratios),
+                     f"{sum(r >= 1 for r in known)} of {len(known)}"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             + " |" for r in [head, *rows]]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
+                 + "|")
+    return "\n".join(lines)
+
+
 def install(packages: list[str]) -> None:
     log(f"apt-get install -y {' '.join(packages)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -861,9 +930,11 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=None, help="parent for the temp dir (default: $TMPDIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs, fio JSON) afterwards")
     p.add_argument("--json-out", type=Path, default=None, help="also write all figures and details as JSON here")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every target this many times, alternating the order; the tables show medians")
     args = p.parse_args()
-    if args.runtime < 1 or args.files < 1 or args.meta_rounds < 1 or args.size < 1 << 20:
-        p.error("--runtime, --files and --meta-rounds must be positive, --size at least 1M")
+    if args.runtime < 1 or args.files < 1 or args.meta_rounds < 1 or args.repeat < 1 or args.size < 1 << 20:
+        p.error("--runtime, --files, --meta-rounds and --repeat must be positive, --size at least 1M")
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
@@ -882,50 +953,29 @@ def main() -> int:
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fs_compare-", dir=args.workdir))
-    classes = [(LocalTarget, args.skip_local), (PyfuseTarget, args.skip_pyfuse3), (KvfsTarget, args.skip_kvfs),
-               (MooseFSTarget, args.skip_moosefs)]
-    targets = [cls(work, args) for cls, skip in classes if not skip]
-    results: dict[str, dict[str, float]] = {}
-    details: dict[str, Any] = {}
+    classes = [cls for cls, skip in [(LocalTarget, args.skip_local), (PyfuseTarget, args.skip_pyfuse3),
+                                     (KvfsTarget, args.skip_kvfs), (MooseFSTarget, args.skip_moosefs)] if not skip]
     notes: list[str] = []
     skipped: dict[str, str] = {}
     status = 0
     load0 = os.getloadavg()[0]
     log(f"work dir {work}; size {args.size / 2**20:g} MiB, runtime {args.runtime} s, {args.files:,} files; "
         f"load average {os.getloadavg()[0]:.2f}")
+    passes: list[dict[str, dict[str, float]]] = []
+    pass_details: list[dict[str, Any]] = []
     try:
-        for target in targets:
-            why = target.unavailable()
-            if why:
-                log(f"SKIPPING {target.name}: {why}")
-                skipped[target.name] = why
-                continue
-            log(f"== {target.name}")
-            try:
-                try:
-                    directory = target.setup()
-                except BenchError as e:
-                    log(f"SKIPPING {target.name}: set-up failed: {e}")
-                    skipped[target.name] = f"set-up failed: {e}"
-                    status = 1
-                    continue
-                figures = results[target.name] = {}
-                if have_fio and target.has_data:
-                    details[target.name] = {}
-                    if not run_fio(directory, work, target.name, args.size, args.runtime, figures,
-                                   details[target.name]):
-                        status = 1
-                        continue  # (the finally below tears it down)
-                run_meta(directory, args.files, args.meta_rounds, figures)
-            finally:
-                with signals_deferred():
-                    log(f"  tearing down {target.name}")
-                    try:
-                        target.teardown()
-                    except Exception as e:  # noqa: BLE001 - report, keep tearing down the rest
-                        log(f"  tear-down of {target.name} failed: {e}")
-                        status = 1
-                    notes += [f"{target.name}: {n}" for n in target.notes]
+        for n in range(args.repeat):
+            if args.repeat > 1:
+                log(f"=== pass {n + 1} of {args.repeat}")
+            pass_work = work / f"pass{n + 1}" if args.repeat > 1 else work  # fresh targets every pass
+            pass_work.mkdir(exist_ok=True)
+            results: dict[str, dict[str, float]] = {}
+            passes.append(results)
+            pass_details.append({})
+            for target in [cls(pass_work, args) for cls in (classes if n % 2 == 0 else classes[::-1])]:
+                if target.name not in skipped:
+                    status |= measure_target(target, args, pass_work, have_fio, results, pass_details[-1], skipped,
+                                             notes)
     except KeyboardInterrupt:
         log("interrupted; everything started was torn down")
         status = 130
@@ -935,10 +985,11 @@ def main() -> int:
                 log(f"kept {work}")
             else:
                 shutil.rmtree(work, ignore_errors=True)
-
+    results = median_results([p for p in passes if p])
     print()
+    repeated = f"; the median of {len(passes)} passes, the order alternating" if len(passes) > 1 else ""
     print(f"fs_compare: size {args.size / 2**20:g} MiB, runtime {args.runtime} s per fio job, "
-          f"{args.files:,} files (median of {args.meta_rounds} rounds); psync, direct=0, 1 job; "
+          f"{args.files:,} files (median of {args.meta_rounds} rounds){repeated}; psync, direct=0, 1 job; "
           f"kvfs chunk servers {durability(args)}; "
           f"MB = 10^6 bytes; ratios > 1 mean kvfs is faster; "
           f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
@@ -947,6 +998,10 @@ def main() -> int:
     print("Machine CPU per unit of work (all processes and kernel threads, busy time from /proc/stat); "
           "here ratios > 1 mean kvfs spends more CPU:")
     print(table(results, CPU_METRICS, "_cpu"))
+    if len(passes) > 1 and all("kvfs" in p and "moosefs" in p for p in passes):
+        print()
+        print("kvfs/MooseFS in each pass:")
+        print(pass_ratios(passes))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     for n in notes:
@@ -954,8 +1009,11 @@ def main() -> int:
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
     if args.json_out:
         args.json_out.write_text(json.dumps({"args": {"size": args.size, "runtime": args.runtime,
-                                                      "files": args.files, "meta_rounds": args.meta_rounds},
-                                             "results": results, "details": details, "skipped": skipped,
+                                                      "files": args.files, "meta_rounds": args.meta_rounds,
+                                                      "repeat": args.repeat},
+                                             "results": results, "passes": passes,
+                                             "details": pass_details[0] if len(pass_details) == 1 else pass_details,
+                                             "skipped": skipped,
                                              "notes": notes, "versions": versions()}, indent=2))
     return status
 
