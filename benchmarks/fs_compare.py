@@ -624,7 +624,8 @@ class MooseFSTarget(Target):
         for proc in Path("/proc").iterdir():
             with contextlib.suppress(OSError, ValueError):
                 cmdline = (proc / "cmdline").read_bytes()
-                if cmdline.startswith(b"mfsmount") and re.search(rb"/fs_compare-[^/\x00]+/(?:pass\d+/)?moosefs-mnt", cmdline):
+                mnt = rb"/fs_compare-[^/\x00]+/(?:pass\d+/)?moosefs-mnt"
+                if cmdline.startswith(b"mfsmount") and re.search(mnt, cmdline):
                     log(f"  killing stale mfsmount of an earlier run (pid {proc.name})")
                     os.kill(int(proc.name), signal.SIGKILL)
         if self._netns_exists() or self._link_exists():
@@ -804,13 +805,19 @@ def table(results: dict[str, dict[str, float]], metrics: list[tuple[str, str, st
         vals = [results.get(c, {}).get(key + suffix) for c in cols]
         rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2]),
                      ratio(vals[0], vals[3])])
+    return markdown(head, rows, text_columns=2)
+
+
+def markdown(head: list[str], rows: list[list[str]], text_columns: int) -> str:
+    """An aligned markdown table: the first ``text_columns`` columns left-aligned, the figures right-aligned."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(r: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+        return "| " + " | ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(r, widths))) + " |"
 
-    sep = "|" + "|".join("-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(head), sep, *map(line, rows)])
+    sep = "|" + "|".join("-" * (w + 2) if i < text_columns else "-" * (w + 1) + ":" for i, w in enumerate(widths))
+    return "\n".join([line(head), sep + "|", *map(line, rows)])
 
 
 def versions() -> dict[str, str]:
@@ -863,7 +870,6 @@ def measure_target(target: Target, args: argparse.Namespace, work: Path, have_fi
                 log(f"  tear-down of {target.name} failed: {e}")
                 status = 1
             notes += [f"{target.name}: {n}" for n in target.notes]
-            target.notes.clear()
     return status
 
 
@@ -886,12 +892,7 @@ def pass_ratios(passes: list[dict[str, dict[str, float]]]) -> str:
         known = [r for r in ratios if r is not None]
         rows.append([label, *(f"{r:.2f}x" if r is not None else "-" for r in ratios),
                      f"{sum(r >= 1 for r in known)} of {len(known)}"])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             + " |" for r in [head, *rows]]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
-                 + "|")
-    return "\n".join(lines)
+    return markdown(head, rows, text_columns=1)
 
 
 def install(packages: list[str]) -> None:
