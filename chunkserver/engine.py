@@ -74,6 +74,10 @@ On open, every listed and every kept version is checked block by block: a torn p
 a torn committed one gives way to the kept one (and a pending one newer than that goes too), and the
 replication layer resyncs the replica. Slots of rows dropped by a transaction not yet durable stay out of
 use until a durable one; a write that would otherwise grow the slot file makes one (an fsync of the WAL).
+Except the slot of a committed version that no sync covered, which the next commit drops: should a power loss
+undo that commit, the row comes back listed in ``unsynced``, is found torn and gives way, and a power loss may
+take such a version anyway. Its slot is reused at once, which spares a chain's sequential writes the WAL fsync
+that every fifth chunk write or so needed (873 fdatasyncs in the first 12 s on ``kvfs up``, 71 since).
 """
 
 from __future__ import annotations
@@ -779,7 +783,10 @@ class ChunkEngine:
                 if keep:
                     self._superseded[chunk_id] = old
                 if dropped is not None:
-                    self._retire(dropped, durable)
+                    # One no sync has covered is a version a power loss may take anyway, and one that recovery
+                    # checks block by block (table unsynced): should this commit be undone, its row comes back
+                    # torn and gives way. So its slot need not wait for a durable transaction.
+                    self._retire(dropped, durable or not keep and self._write_back)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
 

@@ -226,7 +226,7 @@ def test_write_back_keeps_the_synced_version_until_the_next_sync(tmp_path: Path)
         put(e, C, 2, 0, b"b" * 100)
         put(e, C, 3, 0, b"c" * 100)
         assert unsynced(root) == [(C.inode, C.index, 2), (C.inode, C.index, 3)]
-        assert e.space()[1] == 3 << 16  # v1 (the fallback), v3, and v2's slot until its removal is durable
+        assert e.space()[1] == 2 << 16  # v1 (the fallback) and v3: v2, never synced, gave its slot back at once
         e.sync()
         assert unsynced(root) == [] and e.space()[1] == 1 << 16 and content(e, C) == b"c" * 100
         put(e, C, 4, 0, b"d" * 100)
@@ -251,6 +251,31 @@ def test_write_back_falls_back_to_the_synced_version_when_a_crash_tore_a_newer_o
     with ChunkEngine(root, write_through=False) as e:
         assert e.meta(C).version == 1 and e.meta(C).pending_version is None and content(e, C) == b"a" * 100
         assert content(e, ChunkId(8, 0)) == b"x" * 100 and e.space()[1] == 2 << 16
+        assert unsynced(root) == []
+
+
+def test_write_back_reuses_an_unsynced_version_s_slot_at_once_and_a_power_loss_undoing_that_falls_back(
+        tmp_path: Path) -> None:
+    """A commit drops the committed version it replaces; when no sync covered that one, its slot is written again
+    before the commit is durable. A power loss that undoes the commit brings the row back over someone else's
+    bytes: recovery finds it torn and falls back to the synced version, as for any version a sync never covered."""
+    root, d = tmp_path / "t", ChunkId(8, 0)
+    e = ChunkEngine(root, write_through=False)
+    put(e, C, 1, 0, b"a" * 100)
+    e.sync()
+    put(e, C, 2, 0, b"b" * 100)
+    slot_of_v2 = e.local_location(C)[1]
+    db_files = {p.name: p.read_bytes() for p in root.glob("chunks.sqlite*")}  # what a power loss could leave
+    put(e, C, 3, 0, b"c" * 100)  # drops v2 without an fsync
+    put(e, d, 1, 0, b"x" * 100)
+    assert e.local_location(d)[1] == slot_of_v2  # no WAL fsync first
+    e._close_files()  # the power loss: the slot files keep what was written, SQLite loses the lazy transactions
+    for p in root.glob("chunks.sqlite*"):
+        p.unlink()
+    for name, data in db_files.items():
+        (root / name).write_bytes(data)
+    with ChunkEngine(root, write_through=False) as e:
+        assert e.meta(C).version == 1 and content(e, C) == b"a" * 100 and e.meta(d) is None
         assert unsynced(root) == []
 
 
