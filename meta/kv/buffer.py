@@ -8,6 +8,7 @@ the order the caller issued them in.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Callable, Iterable, Iterator
 
@@ -44,41 +45,67 @@ Pending = bytes | None | Atomic
 
 
 class WriteBuffer:
+    """Keys and cleared ranges are kept in order, so a lookup is a bisection: a transaction that clears and
+    reads thousands of times (a batch of delegated creates and removals) costs n log n, not n squared."""
+
     def __init__(self) -> None:
         self.writes: dict[bytes, Pending] = {}
-        self.cleared: list[tuple[bytes, bytes]] = []
+        self._keys: list[bytes] = []  # the keys of ``writes``, in order
+        self._begins: list[bytes] = []  # the cleared ranges: disjoint, in order
+        self._ends: list[bytes] = []
         self.size = 0
 
     def __bool__(self) -> bool:
-        return bool(self.writes or self.cleared)
+        return bool(self.writes or self._begins)
+
+    @property
+    def cleared(self) -> list[tuple[bytes, bytes]]:
+        """The cleared ranges, disjoint and in order (overlapping and touching ones merged)."""
+        return list(zip(self._begins, self._ends))
 
     def in_cleared(self, key: bytes) -> bool:
-        return any(b <= key < e for b, e in self.cleared)
+        i = bisect.bisect_right(self._begins, key) - 1
+        return i >= 0 and key < self._ends[i]
+
+    def _put(self, key: bytes, pending: Pending) -> None:
+        if key not in self.writes:
+            bisect.insort(self._keys, key)
+        self.writes[key] = pending
+
+    def _key_span(self, begin: bytes, end: bytes) -> tuple[int, int]:
+        return bisect.bisect_left(self._keys, begin), bisect.bisect_left(self._keys, end)
 
     def set(self, key: bytes, value: bytes) -> None:
-        self.writes[key] = value
+        self._put(key, value)
         self.size += len(key) + len(value)
 
     def clear(self, key: bytes) -> None:
-        self.writes[key] = None
+        self._put(key, None)
         self.size += len(key)
 
     def clear_range(self, begin: bytes, end: bytes) -> None:
         if begin >= end:
             return
-        for k in [k for k in self.writes if begin <= k < end]:
-            del self.writes[k]
-        self.cleared.append((begin, end))
         self.size += len(begin) + len(end)
+        lo, hi = self._key_span(begin, end)
+        for k in self._keys[lo:hi]:
+            del self.writes[k]
+        del self._keys[lo:hi]
+        # ranges [first, last) overlap or touch [begin, end): each ends at or after begin, begins at or before end
+        first, last = bisect.bisect_left(self._ends, begin), bisect.bisect_right(self._begins, end)
+        if first < last:
+            begin, end = min(begin, self._begins[first]), max(end, self._ends[last - 1])
+        self._begins[first:last] = [begin]
+        self._ends[first:last] = [end]
 
     def atomic(self, op: str, key: bytes, operand: int) -> None:
         self.size += len(key) + 8
         cur = self.writes.get(key, None if self.in_cleared(key) else Atomic())
         if isinstance(cur, Atomic):
             cur.ops.append((op, operand))
-            self.writes[key] = cur
+            self._put(key, cur)
         else:  # the base value is known inside this transaction: fold to a plain set
-            self.writes[key] = apply_atomic(op, cur, operand)
+            self._put(key, apply_atomic(op, cur, operand))
 
     def overlay_get(self, key: bytes, stored: Callable[[], bytes | None]) -> bytes | None:
         """The value ``key`` has inside the transaction; ``stored`` reads the snapshot lazily."""
@@ -98,7 +125,8 @@ class WriteBuffer:
         stored_get: Callable[[bytes], bytes | None],
     ) -> Iterator[KeyValue]:
         """Merge the snapshot's rows (in scan order) with the buffer; lazy so ``limit`` stops early."""
-        keys = sorted(k for k in self.writes if begin <= k < end)
+        lo, hi = self._key_span(begin, end)
+        keys = self._keys[lo:hi]
         if reverse:
             keys.reverse()
         mine = ((k, True) for k in keys)
