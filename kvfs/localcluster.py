@@ -49,10 +49,14 @@ class Process:
     argv: list[str]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free right now. Every socket stays bound until all are chosen: one closed
+    before the next was bound let the kernel hand out a port twice (mgmtd and a chunk server got the same)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _absolute(mount: Path) -> str:
@@ -105,10 +109,11 @@ class LocalCluster:
                             errno.EINVAL)
         for sub in ("logs", "run", "targets"):
             (self.data / sub).mkdir(parents=True, exist_ok=True)
+        mgmtd_port, meta_port, *chunkserver_ports = _free_ports(2 + chunkservers)
         layout = LocalLayout(
-            mgmtd=f"127.0.0.1:{_free_port()}",
-            meta=f"127.0.0.1:{_free_port()}",
-            chunkservers={i: f"127.0.0.1:{_free_port()}" for i in range(1, chunkservers + 1)},
+            mgmtd=f"127.0.0.1:{mgmtd_port}",
+            meta=f"127.0.0.1:{meta_port}",
+            chunkservers={i: f"127.0.0.1:{port}" for i, port in enumerate(chunkserver_ports, 1)},
             replicas=replicas,
             mount=_absolute(mount),
             targets_per_server=targets_per_server,

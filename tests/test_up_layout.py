@@ -1,8 +1,8 @@
-"""``kvfs up`` sizes: several targets per chunk server make several chains."""
+"""``kvfs up`` sizes and addresses: several targets per chunk server make several chains; no port twice."""
 
 from __future__ import annotations
 
-from kvfs.localcluster import LocalCluster
+from kvfs.localcluster import LocalCluster, _free_ports
 
 
 def test_targets_per_server_make_more_chains(tmp_path):
@@ -18,3 +18,10 @@ def test_targets_per_server_make_more_chains(tmp_path):
         assert all(t["state"] == "serving" for t in report["targets"])
     finally:
         cluster.down(echo=lambda *a: None)
+
+
+def test_ports_chosen_for_one_cluster_are_distinct():
+    """They are chosen before any process binds one: a port given twice fails the second process to start."""
+    for _ in range(20):
+        ports = _free_ports(2 + 64)
+        assert len(set(ports)) == len(ports)
