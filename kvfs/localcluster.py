@@ -206,6 +206,10 @@ class LocalCluster:
                 continue
             child = None
             if self.pid_of(proc.name) is None:
+                if _listening(proc.address):  # else it would pass for ready, then die unable to bind
+                    port = proc.address.rsplit(":", 1)[1]
+                    raise KvfsError(f"{proc.name} cannot start: {proc.address} is in use by a process this cluster"
+                                    f" did not start (ss -ltnp 'sport = :{port}' names it)", errno.EADDRINUSE)
                 child = self._start(proc)
                 echo(f"started {proc.name} (pid {child.pid}) on {proc.address}")
             self._wait(proc, lambda: _listening(proc.address), child)

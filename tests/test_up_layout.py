@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
+import pytest
+
+from kvfs.errors import KvfsError
 from kvfs.localcluster import LocalCluster, _free_ports
 
 
@@ -25,3 +31,22 @@ def test_ports_chosen_for_one_cluster_are_distinct():
     for _ in range(20):
         ports = _free_ports(2 + 64)
         assert len(set(ports)) == len(ports)
+
+
+def test_up_says_which_address_another_process_took_instead_of_waiting(tmp_path):
+    """A restart reuses the cluster's recorded ports; one that another process listens on meanwhile is named at
+    once (before, the stranger's listener passed for the service and up waited a minute for targets)."""
+    cluster = LocalCluster(tmp_path / "data")
+    quiet = {"mounted": False, "echo": lambda *a: None}
+    try:
+        layout = cluster.up(tmp_path / "mnt", **quiet)
+        cluster.down(echo=quiet["echo"])
+        host, port = layout.meta.rsplit(":", 1)
+        with socket.create_server((host, int(port))):
+            with pytest.raises(KvfsError) as info:
+                cluster.up(tmp_path / "mnt", **quiet)
+            assert info.value.errno == errno.EADDRINUSE and layout.meta in info.value.message
+        cluster.up(tmp_path / "mnt", **quiet)
+        assert all(t["state"] == "serving" for t in cluster.status()["targets"])
+    finally:
+        cluster.down(echo=lambda *a: None)
