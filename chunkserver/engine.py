@@ -783,10 +783,10 @@ class ChunkEngine:
                 if keep:
                     self._superseded[chunk_id] = old
                 if dropped is not None:
-                    # One no sync has covered is a version a power loss may take anyway, and one that recovery
-                    # checks block by block (table unsynced): should this commit be undone, its row comes back
-                    # torn and gives way. So its slot need not wait for a durable transaction.
-                    self._retire(dropped, durable or not keep and self._write_back)
+                    # A version no sync has covered may be lost to a power loss anyway, and recovery checks it
+                    # block by block (table unsynced lists it): should this commit be undone, its row comes back,
+                    # is found torn and gives way. So its slot need not wait for a durable transaction.
+                    self._retire(dropped, durable or (self._write_back and not keep))
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
 
