@@ -74,10 +74,11 @@ On open, every listed and every kept version is checked block by block: a torn p
 a torn committed one gives way to the kept one (and a pending one newer than that goes too), and the
 replication layer resyncs the replica. Slots of rows dropped by a transaction not yet durable stay out of
 use until a durable one; a write that would otherwise grow the slot file makes one (an fsync of the WAL).
-Except the slot of a committed version that no sync covered, which the next commit drops: should a power loss
-undo that commit, the row comes back listed in ``unsynced``, is found torn and gives way, and a power loss may
-take such a version anyway. Its slot is reused at once, which spares a chain's sequential writes the WAL fsync
-that every fifth chunk write or so needed (873 fdatasyncs in the first 12 s on ``kvfs up``, 71 since).
+Except the slot of a version no sync has covered (a commit drops one whenever a chunk is written twice between
+syncs): should a power loss undo the drop, the row comes back listed in ``unsynced``, is found torn and gives
+way, and a power loss may take such a version anyway. Its slot is reused at once, which spares a chain's
+sequential writes the WAL fsync that every fifth chunk write or so needed (873 fdatasyncs in the first 12 s on
+``kvfs up``, 71 since).
 """
 
 from __future__ import annotations
@@ -457,8 +458,11 @@ class ChunkEngine:
 
     def _retire(self, v: _Version, durable: bool) -> None:
         """Free the slot of a version whose row a transaction just dropped. While that transaction may still be
-        undone by a power loss, the row may come back, so the slot stays out of use until a durable one."""
-        if durable:
+        undone by a power loss, the row may come back, so the slot stays out of use until a durable one; unless
+        no sync has covered the version (write-back): a power loss may take such a version anyway, and recovery
+        checks it block by block (table ``unsynced`` lists it), so a row that comes back over reused space is
+        found torn and gives way."""
+        if durable or (self._write_back and v.seq > self._covered_upto):
             self._free(v.cls, v.slot)
         else:
             self._undurable_frees.append((v.cls, v.slot))
@@ -783,10 +787,7 @@ class ChunkEngine:
                 if keep:
                     self._superseded[chunk_id] = old
                 if dropped is not None:
-                    # A version no sync has covered may be lost to a power loss anyway, and recovery checks it
-                    # block by block (table unsynced lists it): should this commit be undone, its row comes back,
-                    # is found torn and gives way. So its slot need not wait for a durable transaction.
-                    self._retire(dropped, durable or (self._write_back and not keep))
+                    self._retire(dropped, durable)
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
 

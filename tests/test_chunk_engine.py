@@ -279,6 +279,24 @@ def test_write_back_reuses_an_unsynced_version_s_slot_at_once_and_a_power_loss_u
         assert unsynced(root) == []
 
 
+def test_write_back_frees_an_aborted_unsynced_version_s_slot_at_once_and_keeps_the_synced_fallback_s(
+        tmp_path: Path) -> None:
+    with ChunkEngine(tmp_path / "t", write_through=False) as e:
+        put(e, C, 1, 0, b"a" * 100)
+        e.sync()
+        e.write_pending(C, 2, 0, b"b" * 100, crc32c(b"b" * 100), chunk_size=CS)
+        assert e.space()[1] == 2 << 16
+        e.abort(C, 2)  # v2 was never synced: its slot is free before any durable transaction
+        assert e.space()[1] == 1 << 16
+        put(e, C, 3, 0, b"c" * 100)  # keeps synced v1 as the fallback
+        put(e, C, 4, 0, b"d" * 100)  # drops v3 (unsynced, freed at once)
+        assert e.space()[1] == 2 << 16
+        e.remove_files([C.inode])  # v4 goes at once; v1, which a sync covered, waits for a durable transaction
+        assert e.space()[1] == 1 << 16
+        e.sync()
+        assert e.space()[1] == 0
+
+
 def test_write_back_sync_frees_space_instead_of_failing(tmp_path: Path) -> None:
     """Superseded versions and not yet durable frees hold slots until a sync: a full target syncs, not ENOSPC."""
     with ChunkEngine(tmp_path / "t", write_through=False, capacity_bytes=3 << 16) as e:
