@@ -132,6 +132,7 @@ class _Handle:
     caller: Caller
     session: int | None
     hold: int | None = None  # a read-only open's hold session: the file outlives its last name while open
+    direct: bool = False  # the kernel sends its writes without the page cache (see _attach)
     lock: trio.Lock = field(default_factory=trio.Lock)
     buf: Any = field(default_factory=bytearray)  # bytearray, or a buffer in shared memory (_write_buffer)
     buf_off: int = 0
@@ -139,6 +140,14 @@ class _Handle:
     spares: list[Any] = field(default_factory=list)  # flushed buffers, for the next ones to fill
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
+
+
+def _drop_kernel_pages(ino: int) -> None:
+    """Drop the kernel's cached pages of ``ino``; in a thread, as it may wait for reads this daemon serves."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=False)
+    except OSError:  # ENOENT: the kernel does not hold it
+        pass
 
 
 def _write_buffer(size: int) -> Any:
@@ -662,12 +671,15 @@ class KvfsOperations(pyfuse3.Operations):
         st.stamp = (attr.mtime_ns, attr.size)
         if self.cache is not None:
             self.cache.opened(attr.ino, st.stamp)
-        h = _Handle(self._new_fh(), st, flags, caller, session, opened.hold)
+        # A write-only open cannot read or be mapped, and with keep_cache off the next open drops whatever it would
+        # leave in the page cache: its writes skip the page cache (a copy, and a page each to allocate and free)
+        direct = flags & os.O_ACCMODE == os.O_WRONLY and not self.keep_cache
+        h = _Handle(self._new_fh(), st, flags, caller, session, opened.hold, direct=direct)
         st.handles.add(h)
         self._handles[h.fh] = h
         fi = pyfuse3.FileInfo(fh=h.fh)
         fi.keep_cache = self.keep_cache
-        fi.direct_io = False
+        fi.direct_io = direct
         return fi
 
     @_fuse_errors
@@ -828,6 +840,11 @@ class KvfsOperations(pyfuse3.Operations):
                 st.size = max(st.size, off + n)
                 if h.buf_len >= self.write_buffer:
                     await self._start_flush(h)
+        if h.direct and any(not other.direct for other in st.handles):
+            # pages another open of this mount cached are stale now that a write went around them (Linux 6.18
+            # drops them itself, older kernels may not); dropped after the lock is let go, since dropping a page
+            # waits for any read of it, which may be flushing this handle
+            await trio.to_thread.run_sync(_drop_kernel_pages, st.ino)
         return n
 
     @staticmethod

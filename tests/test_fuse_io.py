@@ -122,6 +122,76 @@ def test_read_sees_buffered_write_before_close(d):
         os.close(fd)
 
 
+def _resident_pages(fd: int, length: int) -> int:
+    """Pages of the file behind ``fd`` that the kernel's page cache holds in ``[0, length)`` (mincore of a
+    private mapping, whose pages are the page cache's until written)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapping)
+        try:
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(length), vec):
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            del anchor
+        return sum(v & 1 for v in vec)
+    finally:
+        mapping.close()
+
+
+def test_write_only_opens_write_around_the_page_cache_and_readers_see_their_bytes(d):
+    # A write-only open can neither read nor map the file, and the next open drops cached pages anyway
+    # (keep_cache off), so its writes skip the page cache; pages a reader of this mount cached go stale
+    # then, and are dropped before the write returns.
+    p = d / "f"
+    p.write_bytes(pattern(2 * MIB, 1))
+    reader = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(reader, 2 * MIB, 0) == pattern(2 * MIB, 1)
+        assert _resident_pages(reader, 2 * MIB) > 0  # the reader's open caches what it reads
+        fd = os.open(p, os.O_WRONLY)
+        try:
+            os.pwrite(fd, pattern(2 * MIB, 2), 0)
+            assert _resident_pages(reader, 2 * MIB) == 0
+            assert os.pread(reader, 2 * MIB, 0) == pattern(2 * MIB, 2)  # before the writer even closes
+        finally:
+            os.close(fd)
+    finally:
+        os.close(reader)
+    assert p.read_bytes() == pattern(2 * MIB, 2)
+
+
+def test_a_reader_and_a_write_only_writer_of_one_file_at_once(d):
+    # The writer drops the reader's pages while the reader's reads make the daemon flush the writer's buffer:
+    # neither may wait for the other (a hang here times the subprocesses out).
+    p = d / "f"
+    p.write_bytes(bytes(4 * MIB))
+    code = (
+        "import os, sys, random\n"
+        "path, role = sys.argv[1], sys.argv[2]\n"
+        "if role == 'w':\n"
+        "    fd = os.open(path, os.O_WRONLY)\n"
+        "    for r in range(8):\n"
+        "        for off in range(0, 4 << 20, 64 << 10): os.pwrite(fd, bytes([r + 1]) * (64 << 10), off)\n"
+        "else:\n"
+        "    fd = os.open(path, os.O_RDONLY)\n"
+        "    for _ in range(400): os.pread(fd, 128 << 10, random.randrange(0, 4 << 20, 4096))\n"
+        "os.close(fd)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(p), role]) for role in "wrr"]
+    try:
+        assert [q.wait(120) for q in procs] == [0, 0, 0]
+    finally:
+        for q in procs:
+            q.kill()
+    assert p.read_bytes() == bytes([8]) * (4 * MIB)
+
+
 def test_append(d):
     p = d / "log"
     with open(p, "ab") as f:
