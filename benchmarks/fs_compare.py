@@ -930,7 +930,9 @@ def main() -> int:
     p.add_argument("--install", action="store_true", help="apt-get install fio and the moosefs packages if missing")
     p.add_argument("--workdir", type=Path, default=None, help="parent for the temp dir (default: $TMPDIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (data, logs, fio JSON) afterwards")
-    p.add_argument("--json-out", type=Path, default=None, help="also write all figures and details as JSON here")
+    p.add_argument("--json-out", type=Path, default=None,
+                   help="also write the figures as JSON here: results (the medians), passes and details (fio's "
+                        "figures per job), one entry per pass")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every target this many times, alternating the order; the tables show medians")
     args = p.parse_args()
@@ -1013,7 +1015,7 @@ def main() -> int:
                                                       "files": args.files, "meta_rounds": args.meta_rounds,
                                                       "repeat": args.repeat},
                                              "results": results, "passes": passes,
-                                             "details": pass_details[0] if len(pass_details) == 1 else pass_details,
+                                             "details": pass_details,
                                              "skipped": skipped,
                                              "notes": notes, "versions": versions()}, indent=2))
     return status
