@@ -4,9 +4,11 @@ force_unmount)."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
+import mmap
 import os
 import signal
 import subprocess
@@ -125,9 +127,6 @@ def test_read_sees_buffered_write_before_close(d):
 def _resident_pages(fd: int, length: int) -> int:
     """Pages of the file behind ``fd`` that the kernel's page cache holds in ``[0, length)`` (mincore of a
     private mapping, whose pages are the page cache's until written)."""
-    import ctypes
-    import mmap
-
     libc = ctypes.CDLL(None, use_errno=True)
     mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     try:
