@@ -141,6 +141,11 @@ class _Handle:
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
 
+    def holds(self, lo: int, hi: int) -> bool:
+        """Bytes of ``[lo, hi)`` written here that storage may not have yet (buffered or being flushed)."""
+        return (self.buf_len > 0 and self.buf_off < hi and lo < self.buf_off + self.buf_len) or any(
+            s < hi and lo < e for s, e, _ in self.flushes)
+
 
 def _drop_kernel_pages(ino: int) -> None:
     """Drop the kernel's cached pages of ``ino``; in a thread, as it may wait for reads this daemon serves."""
@@ -818,6 +823,8 @@ class KvfsOperations(pyfuse3.Operations):
         h = self._handle(fh)
         st = h.state
         n = len(buf)
+        await self._drop_pages_of_other_opens(h)  # their dirty pages reach their opens' buffers first
+        await self._flush_other_opens(h, off, off + n)
         async with h.lock:
             self._raise_error(h)
             if h.flags & os.O_APPEND and st.size > off:
@@ -840,12 +847,27 @@ class KvfsOperations(pyfuse3.Operations):
                 st.size = max(st.size, off + n)
                 if h.buf_len >= self.write_buffer:
                     await self._start_flush(h)
-        if h.direct and any(not other.direct for other in st.handles):
-            # pages another open of this mount cached are stale now that a write went around them (Linux 6.18
-            # drops them itself, older kernels may not); dropped after the lock is let go, since dropping a page
-            # waits for any read of it, which may be flushing this handle
-            await trio.to_thread.run_sync(_drop_kernel_pages, st.ino)
+        await self._drop_pages_of_other_opens(h)
         return n
+
+    async def _flush_other_opens(self, h: _Handle, lo: int, hi: int) -> None:
+        """Writes to the same bytes through two opens reach storage in the order they were made, as through one
+        page cache: each open flushes its buffer on its own schedule, so another open's bytes in ``[lo, hi)``
+        are written out before this write is taken. Each lock is taken alone (never while holding ``h.lock``)."""
+        for other in list(h.state.handles):
+            if other is not h and other.holds(lo, hi):
+                async with other.lock:
+                    await self._flush_handle(other)
+
+    @staticmethod
+    async def _drop_pages_of_other_opens(h: _Handle) -> None:
+        """Around a write that skips the page cache: pages other opens of this mount hold would be stale after
+        it, and dirty ones (stores through a shared mapping) would later be written back over it. So the kernel
+        writes them back and drops them before the write, and drops what was read meanwhile after it (Linux 6.18
+        does that part itself, older kernels may not). Outside the handle's lock: dropping a page waits for any
+        read or write-back of it, which may need that lock."""
+        if h.direct and any(not other.direct for other in h.state.handles):
+            await trio.to_thread.run_sync(_drop_kernel_pages, h.state.ino)
 
     @staticmethod
     def _raise_error(h: _Handle) -> None:

@@ -165,6 +165,42 @@ def test_write_only_opens_write_around_the_page_cache_and_readers_see_their_byte
     assert p.read_bytes() == pattern(2 * MIB, 2)
 
 
+@pytest.mark.parametrize("second", [os.O_RDWR, os.O_WRONLY], ids=["read-write", "write-only"])
+def test_the_later_of_two_opens_writes_to_the_same_bytes_wins(d, second):
+    # Each open buffers its writes and flushes them on its own schedule; closing the later one first must not
+    # let the earlier one's bytes land last.
+    p = d / "f"
+    p.write_bytes(b"0" * 100)
+    first, later = os.open(p, os.O_RDWR), os.open(p, second)
+    try:
+        os.pwrite(first, b"X" * 10, 0)
+        os.pwrite(later, b"Y" * 10, 5)
+    finally:
+        os.close(later)
+        os.close(first)
+    assert p.read_bytes() == b"X" * 5 + b"Y" * 10 + b"0" * 85
+
+
+def test_a_write_only_write_lands_after_what_a_shared_mapping_stored_before_it(d):
+    # Bytes stored through a shared mapping sit in dirty page-cache pages until written back; a write that goes
+    # around the page cache must not be overwritten by that later write-back.
+    p = d / "f"
+    p.write_bytes(b"0" * 8192)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 8192) as mapped:
+            mapped[:8192] = b"M" * 8192  # dirty, not written back yet
+            writer = os.open(p, os.O_WRONLY)
+            try:
+                os.pwrite(writer, b"W" * 100, 10)
+            finally:
+                os.close(writer)
+            assert mapped[:10] == b"M" * 10 and mapped[10:110] == b"W" * 100 and mapped[110:200] == b"M" * 90
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"M" * 10 + b"W" * 100 + b"M" * (8192 - 110)
+
+
 def test_a_reader_and_a_write_only_writer_of_one_file_at_once(d):
     # The writer drops the reader's pages while the reader's reads make the daemon flush the writer's buffer:
     # neither may wait for the other (a hang here times the subprocesses out).
