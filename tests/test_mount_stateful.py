@@ -3,7 +3,8 @@ to a local directory side by side; every result, errno and byte must agree (issu
 
 Each example works in a fresh subdirectory of the shared ``kvfs up`` mount (tests/cluster_fixtures.py) and of a
 local temporary directory. Names come from a tiny alphabet so operations collide often (EEXIST, ENOTEMPTY, ENOTDIR,
-EISDIR, ELOOP ...); offsets and sizes straddle the 1 MiB chunk boundaries. After every step the two trees must list
+EISDIR, ELOOP ...); offsets and sizes straddle the 1 MiB chunk boundaries. Up to four opens (read-write,
+write-only or read-only) stay open across other steps, to write and read through. After every step the two trees must list
 and lstat the same; at the end of an example every file's bytes are compared, then both trees are removed.
 """
 
@@ -34,6 +35,7 @@ MIB = 1 << 20
 EXAMPLES = int(os.environ.get("KVFS_STATEFUL_EXAMPLES", 30))  # e.g. 500 for a longer hunt than CI's
 _libc = ctypes.CDLL(None, use_errno=True)
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+MAX_HELD = 4  # opens the machine keeps across other operations
 
 names = st.sampled_from(["a", "b", "c"])
 paths = st.one_of(names, names, st.lists(names, min_size=2, max_size=3).map("/".join))
@@ -92,6 +94,7 @@ class FsMachine(RuleBasedStateMachine):
         self.roots = (Roots.local / f"ex{n}", Roots.mount / f"ex{n}")
         for r in self.roots:
             r.mkdir()
+        self.held: list[tuple[int, int]] = []  # (local fd, kvfs fd) of opens kept across other operations
 
     def pick(self, data) -> str:
         """Mostly a path that exists (in the local tree), sometimes any: so operations mostly do something."""
@@ -166,6 +169,49 @@ class FsMachine(RuleBasedStateMachine):
                 os.close(fd)
         self.both(op, self.pick(data), extra=(offset, size))
 
+    # ------------------------------------------------------------------ opens held across operations
+    # Several opens of one file at once: writes through two of them to the same bytes, reads through one while
+    # another still buffers, and files renamed, truncated or removed while open all meet here.
+    @rule(data=st.data(), mode=st.sampled_from([os.O_RDWR, os.O_WRONLY, os.O_RDONLY]))
+    def open_held(self, data, mode):
+        if len(self.held) >= MAX_HELD:
+            return
+        rel = self.pick(data)
+        local, mounted = (outcome(os.open, root / rel, mode) for root in self.roots)
+        if local[0] == mounted[0] == "ok":
+            self.held.append((local[1], mounted[1]))
+            return
+        for kind, fd in (local, mounted):
+            if kind == "ok":
+                os.close(fd)
+        assert local == mounted, f"open({rel!r}, {mode:#o}): local {local!r}, kvfs {mounted!r}"
+
+    def held_pair(self, data) -> tuple[int, int] | None:
+        return data.draw(st.sampled_from(self.held)) if self.held else None
+
+    @rule(data=st.data(), offset=offsets, seed=st.integers(0, 2**16), size=sizes)
+    def write_held(self, data, offset, seed, size):
+        pair = self.held_pair(data)
+        if pair is not None:
+            buf = data_of(seed, size)
+            local, mounted = (outcome(os.pwrite, fd, buf, offset) for fd in pair)
+            assert local == mounted, f"pwrite(+{offset}, {size}): local {local!r}, kvfs {mounted!r}"
+
+    @rule(data=st.data(), offset=offsets, size=st.integers(0, 2 * MIB))
+    def read_held(self, data, offset, size):
+        pair = self.held_pair(data)
+        if pair is not None:
+            local, mounted = (outcome(os.pread, fd, size, offset) for fd in pair)
+            assert local == mounted, f"pread(+{offset}, {size}) through a held open differs"
+
+    @rule(data=st.data())
+    def close_held(self, data):
+        pair = self.held_pair(data)
+        if pair is not None:
+            self.held.remove(pair)
+            local, mounted = (outcome(os.close, fd) for fd in pair)
+            assert local == mounted
+
     @rule(data=st.data())
     def stat_size(self, data):
         self.both(lambda p: describe(os.stat(p)), self.pick(data))
@@ -218,6 +264,9 @@ class FsMachine(RuleBasedStateMachine):
         assert local == mounted
 
     def teardown(self):
+        for pair in self.held:
+            for fd in pair:
+                os.close(fd)
         try:
             for rel in tree(self.roots[0]):
                 local, mounted = (r / rel for r in self.roots)
