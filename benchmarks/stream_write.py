@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from fs_compare import parse_size
+
 MIB = 1 << 20
 MODES = {"O_WRONLY": os.O_WRONLY, "O_RDWR": os.O_RDWR}
 
@@ -47,14 +49,18 @@ def write_file(path: Path, flags: int, size: int, block: bytes) -> tuple[float, 
     return size / seconds / 1e6, os.times().system - sys0, page_cache_mib() - cache0
 
 
+def describe(mode: str, figures: tuple[float, float, float] | list[float]) -> str:
+    mbps, sys_s, cache = figures
+    return f"{mode:8s} {mbps:7.0f} MB/s  sys {sys_s:5.2f} s  page cache +{cache:,.0f} MiB"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("directory", type=Path)
-    p.add_argument("--size", default="2G", help="bytes per file, with a K/M/G suffix (default 2G)")
+    p.add_argument("--size", type=parse_size, default=parse_size("2G"), help="bytes per file (default 2G)")
     p.add_argument("--repeat", type=int, default=2, help="passes per open mode (default 2)")
     args = p.parse_args()
-    scale = {"K": 1 << 10, "M": MIB, "G": 1 << 30}.get(args.size[-1:].upper(), 1)
-    size = int(args.size.rstrip("kKmMgG")) * scale // MIB * MIB
+    size = args.size // MIB * MIB
     if size < MIB or args.repeat < 1:
         p.error("--size must be at least 1M and --repeat positive")
     if os.geteuid() != 0:
@@ -69,11 +75,11 @@ def main() -> None:
             figures = write_file(path, MODES[mode], size, block)
             path.unlink()
             results[mode].append(figures)
-            print(f"pass {i + 1} {mode:8s} {figures[0]:7.0f} MB/s  sys {figures[1]:5.2f} s  page cache +{figures[2]:,.0f} MiB")
+            print(f"pass {i + 1} {describe(mode, figures)}")
     print(f"\n{size / MIB:,.0f} MiB per file, median of {args.repeat} passes:")
     medians = {mode: [statistics.median(f[k] for f in rows) for k in range(3)] for mode, rows in results.items()}
-    for mode, (mbps, sys_s, cache) in medians.items():
-        print(f"  {mode:8s} {mbps:7.0f} MB/s  sys {sys_s:5.2f} s  page cache +{cache:,.0f} MiB")
+    for mode, figures in medians.items():
+        print(f"  {describe(mode, figures)}")
     print(f"  O_WRONLY/O_RDWR: {medians['O_WRONLY'][0] / medians['O_RDWR'][0]:.2f}x")
 
 

@@ -258,7 +258,13 @@ def _remember(cache: OrderedDict, key: Any) -> None:
 
 def invalidate_attributes(ino: int) -> None:
     """Attributes only: dropping pages could wait on a read this daemon is serving (close-to-open keeps data)."""
+    invalidate_kernel_cache(ino, attr_only=True)
+
+
+def invalidate_kernel_cache(ino: int, *, attr_only: bool) -> None:
+    """Drop what the kernel caches of ``ino``. With its pages (``attr_only=False``) this waits for any read or
+    write-back of them, which this daemon serves: call it from a thread then."""
     try:
-        pyfuse3.invalidate_inode(ino, attr_only=True)
+        pyfuse3.invalidate_inode(ino, attr_only=attr_only)
     except OSError:  # ENOENT: the kernel does not hold it
         pass

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import stat
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp
-from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes
+from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class _InodeState:
 
     def dirty(self) -> bool:
         """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
-        return any(h.buf_len or h.flushes for h in self.handles)
+        return any(h.holds() for h in self.handles)
 
 
 @dataclass(eq=False)
@@ -141,18 +142,10 @@ class _Handle:
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
 
-    def holds(self, lo: int, hi: int) -> bool:
+    def holds(self, lo: int = 0, hi: int = sys.maxsize) -> bool:
         """Bytes of ``[lo, hi)`` written here that storage may not have yet (buffered or being flushed)."""
         return (self.buf_len > 0 and self.buf_off < hi and lo < self.buf_off + self.buf_len) or any(
             s < hi and lo < e for s, e, _ in self.flushes)
-
-
-def _drop_kernel_pages(ino: int) -> None:
-    """Drop the kernel's cached pages of ``ino``; in a thread, as it may wait for reads this daemon serves."""
-    try:
-        pyfuse3.invalidate_inode(ino, attr_only=False)
-    except OSError:  # ENOENT: the kernel does not hold it
-        pass
 
 
 def _write_buffer(size: int) -> Any:
@@ -823,8 +816,10 @@ class KvfsOperations(pyfuse3.Operations):
         h = self._handle(fh)
         st = h.state
         n = len(buf)
-        await self._drop_pages_of_other_opens(h)  # their dirty pages reach their opens' buffers first
-        await self._flush_other_opens(h, off, off + n)
+        others = len(st.handles) > 1
+        if others:  # writes to the same bytes through two opens reach storage in the order they were made
+            await self._drop_pages_of_other_opens(h)  # their dirty pages reach their opens' buffers first
+            await self._flush_inode(st, off, off + n, but=h)
         async with h.lock:
             self._raise_error(h)
             if h.flags & os.O_APPEND and st.size > off:
@@ -847,17 +842,9 @@ class KvfsOperations(pyfuse3.Operations):
                 st.size = max(st.size, off + n)
                 if h.buf_len >= self.write_buffer:
                     await self._start_flush(h)
-        await self._drop_pages_of_other_opens(h)
+        if others:
+            await self._drop_pages_of_other_opens(h)
         return n
-
-    async def _flush_other_opens(self, h: _Handle, lo: int, hi: int) -> None:
-        """Writes to the same bytes through two opens reach storage in the order they were made, as through one
-        page cache: each open flushes its buffer on its own schedule, so another open's bytes in ``[lo, hi)``
-        are written out before this write is taken. Each lock is taken alone (never while holding ``h.lock``)."""
-        for other in list(h.state.handles):
-            if other is not h and other.holds(lo, hi):
-                async with other.lock:
-                    await self._flush_handle(other)
 
     @staticmethod
     async def _drop_pages_of_other_opens(h: _Handle) -> None:
@@ -867,7 +854,7 @@ class KvfsOperations(pyfuse3.Operations):
         does that part itself, older kernels may not). Outside the handle's lock: dropping a page waits for any
         read or write-back of it, which may need that lock."""
         if h.direct and any(not other.direct for other in h.state.handles):
-            await trio.to_thread.run_sync(_drop_kernel_pages, h.state.ino)
+            await trio.to_thread.run_sync(functools.partial(invalidate_kernel_cache, h.state.ino, attr_only=False))
 
     @staticmethod
     def _raise_error(h: _Handle) -> None:
@@ -950,9 +937,13 @@ class KvfsOperations(pyfuse3.Operations):
             h.buf_len = 0
             data.release()
 
-    async def _flush_inode(self, st: _InodeState) -> None:
+    async def _flush_inode(self, st: _InodeState, lo: int = 0, hi: int = sys.maxsize, but: _Handle | None = None
+                           ) -> None:
+        """Write out what the file's opens (but ``but``) hold of ``[lo, hi)``. Each open flushes its buffer on its
+        own schedule, so a write flushes the other opens' bytes it overlaps first. Each lock is taken alone
+        (a writer calls this before taking its own)."""
         for h in list(st.handles):
-            if h.buf_len or h.flushes:
+            if h is not but and h.holds(lo, hi):
                 async with h.lock:
                     await self._flush_handle(h)
 
