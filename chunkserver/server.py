@@ -11,6 +11,7 @@ from chunkserver.service import ChunkServer, target_id_for
 from craq.mgmtd import MgmtdClient
 from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
+from kvfs.pool import RECEIVED
 from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
 from kvfs.transport import shm
@@ -38,6 +39,10 @@ def serve_chunkserver(
     token = config.resolved_token()
     transport = config.resolved_transport()  # forced rdma without a device fails here, before anything starts
     shared_memory = config.resolved_shared_memory()
+    hold = config.chunkserver.resolved_hold_bytes()
+    # held writes keep their received buffers: the pools make room for them beside the requests in flight
+    RECEIVED.capacity += hold
+    shm.SHARED.capacity += hold
 
     async def main() -> None:
         with contextlib.ExitStack() as stack:
@@ -46,7 +51,7 @@ def serve_chunkserver(
                     ChunkEngine(Path(path), fsync=config.chunkserver.fsync,
                                 write_through=config.chunkserver.write_through,
                                 capacity_bytes=config.chunkserver.capacity_bytes,
-                                direct_io=config.chunkserver.direct_io)
+                                direct_io=config.chunkserver.direct_io, hold_bytes=hold // len(targets))
                 )
                 for i, path in enumerate(targets)
             }

@@ -44,6 +44,9 @@ class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     connect: float = 5.0
 
 
+_DEFAULT_HOLD = 384 << 20
+
+
 class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     targets: list[str] = []
     #: False: never flush to disk (tests, scratch clusters); nothing survives a power loss.
@@ -54,7 +57,21 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     sync_interval: float = 5.0
     #: Write chunk data, and read large ranges, around the page cache (O_DIRECT) where the file system allows.
     direct_io: bool = True
+    #: Write-back only: bytes of whole-chunk writes a chunk server keeps in memory until the next sync instead of
+    #: writing them at once (split across its targets), so a chunk rewritten meanwhile reaches the disk once.
+    #: None: 384 MiB or a 32nd of the host's memory, whichever is less; 0: write every chunk at once.
+    hold_bytes: int | None = None
     capacity_bytes: int | None = None
+
+    def resolved_hold_bytes(self) -> int:
+        """``hold_bytes``, its default worked out for this host; 0 without write-back (nothing waits for a sync)."""
+        if self.write_through or not self.fsync:
+            return 0
+        if self.hold_bytes is not None:
+            if self.hold_bytes < 0:
+                raise KvfsError(f"[chunkserver] hold_bytes must be 0 or more, not {self.hold_bytes}")
+            return self.hold_bytes
+        return min(_DEFAULT_HOLD, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 32)
 
 
 class MetaSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

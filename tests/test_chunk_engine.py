@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import prometheus_client
 import pytest
 from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
@@ -303,6 +304,63 @@ def test_write_back_sync_frees_space_instead_of_failing(tmp_path: Path) -> None:
         for v in range(1, 20):
             put(e, C, v, 0, bytes([v]) * 100)
         assert content(e, C) == bytes([19]) * 100
+
+
+def held(fate: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value("kvfs_chunk_held_bytes_total", {"fate": fate}) or 0.0
+
+
+def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Path) -> None:
+    """With write-back, whole-version writes wait in memory for a sync: a chunk rewritten meanwhile reaches the
+    disk once, as its newest version; reads and syncs write a held version out first."""
+    chunk = 4 * BLOCK
+    written, dropped = held("written"), held("dropped")
+    root = tmp_path / "t"
+    with ChunkEngine(root, write_through=False, hold_bytes=8 * chunk) as e:
+        for v in range(1, 6):
+            put(e, C, v, 0, bytes([v]) * chunk)
+        assert (held("written") - written, held("dropped") - dropped) == (0, 4 * chunk)
+        with pytest.raises(BlockingIOError):  # an event loop's read must not wait for the write-out
+            e.read(C, 0, CS, nowait=True)
+        assert content(e, C) == bytes([5]) * chunk and held("written") - written == chunk
+        put(e, C, 6, 0, bytes([6]) * chunk)
+        e.sync()
+        assert held("written") - written == 2 * chunk and unsynced(root) == []
+        put(e, ChunkId(8, 0), 1, 0, bytes(chunk))
+        put(e, ChunkId(8, 0), 2, 0, b"partial")  # a partial write reads the held version it changes
+        assert content(e, ChunkId(8, 0)) == b"partial" + bytes(chunk - 7)
+    with ChunkEngine(root, write_through=False) as e:  # close wrote out what was held
+        assert content(e, C) == bytes([6]) * chunk
+        assert content(e, ChunkId(8, 0)) == b"partial" + bytes(chunk - 7)
+
+
+def test_a_crash_loses_held_writes_back_to_the_synced_version(tmp_path: Path) -> None:
+    """A kill -9 takes held versions with it, as a power loss takes unflushed ones: the engine finds them torn
+    and falls back to the synced version (the chain then resyncs the replica from its peers)."""
+    root = tmp_path / "t"
+    chunk = 2 * BLOCK
+    e = ChunkEngine(root, write_through=False, hold_bytes=4 * chunk)
+    put(e, C, 1, 0, b"a" * chunk)
+    e.sync()
+    put(e, C, 2, 0, b"b" * chunk)
+    put(e, C, 3, 0, b"c" * chunk)
+    put(e, ChunkId(8, 0), 1, 0, b"x" * chunk)  # a new chunk, never synced
+    e._close_files()  # the process dies: nothing held reaches the disk
+    with ChunkEngine(root, write_through=False) as e:
+        assert e.meta(C).version == 1 and content(e, C) == b"a" * chunk
+        assert e.meta(ChunkId(8, 0)) is None and e.space()[1] == 1 << 17
+
+
+def test_held_writes_stay_within_hold_bytes_and_changeable_buffers_are_not_held(tmp_path: Path) -> None:
+    chunk = 2 * BLOCK
+    written = held("written")
+    with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=2 * chunk) as e:
+        for i in range(5):
+            put(e, ChunkId(9, i), 1, 0, bytes([i + 1]) * chunk)
+        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # the oldest went first
+        put(e, ChunkId(9, 9), 1, 0, bytearray(chunk))  # its owner could change it after the call: written now
+        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
+        assert [content(e, ChunkId(9, i)) for i in range(5)] == [bytes([i + 1]) * chunk for i in range(5)]
 
 
 def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:

@@ -3,9 +3,10 @@ chunk at exactly one complete committed version, never older than the last one i
 
 In write-back mode the child acknowledges versions before they are on disk and syncs now and then: the
 checker then also plays a power loss, tearing the data of versions staged since the last sync, and the
-reopened engine must fall back to complete versions no older than the last sync.
+reopened engine must fall back to complete versions no older than the last sync. With held writes (write-back
+with ``hold_bytes``) the kill alone loses the whole versions held in memory, with the same fallback.
 
-Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT [write-back]``.
+Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT [write-back|held]``.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def apply(k: int, v: int, old: bytes) -> bytes:
     return bytes(new)
 
 
-def child(root: Path, write_back: bool) -> None:
-    e = ChunkEngine(root, write_through=not write_back)
+def child(root: Path, mode: str) -> None:
+    write_back = mode != "write-through"
+    # room for a few whole versions (up to 5 blocks each): some wait for a sync, some are written to make room
+    e = ChunkEngine(root, write_through=not write_back, hold_bytes=12 * BLOCK if mode == "held" else 0)
     out = threading.Lock()
 
     def say(line: str) -> None:
@@ -124,15 +127,16 @@ def check(root: Path, reported: dict[int, int], model: Model) -> None:
         assert e.space()[1] == used  # no slot leaked or double-booked
 
 
-@pytest.mark.parametrize("write_back", [False, True], ids=["write-through", "write-back+power-loss"])
-def test_sigkill_at_random_instants(tmp_path: Path, write_back: bool) -> None:
+@pytest.mark.parametrize("mode", ["write-through", "write-back", "held"],
+                         ids=["write-through", "write-back+power-loss", "write-back+held"])
+def test_sigkill_at_random_instants(tmp_path: Path, mode: str) -> None:
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     model, reported, synced, covered, commits = Model(), {}, {}, {}, 0
     deadline = time.monotonic() + 30
     for _ in range(20):
         if time.monotonic() > deadline:
             break
-        argv = [sys.executable, __file__, str(tmp_path)] + (["write-back"] if write_back else [])
+        argv = [sys.executable, __file__, str(tmp_path), mode]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
         lines: list[bytes] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
@@ -150,13 +154,14 @@ def test_sigkill_at_random_instants(tmp_path: Path, write_back: bool) -> None:
                 k, v = map(int, line.split())
                 reported[k] = v
                 commits += 1
-        if write_back:
+        if mode == "write-back":
             tear_unsynced(tmp_path, rng)
-            reported = dict(synced)  # what survives a power loss: versions that a sync covered
+        if mode != "write-through":
+            reported = dict(synced)  # what survives a power loss, or a kill with held writes: what a sync covered
         check(tmp_path, reported, model)
         synced = dict(reported)  # the reopen synced what it kept
     assert commits > 0
 
 
 if __name__ == "__main__":
-    child(Path(sys.argv[1]), write_back=sys.argv[2:] == ["write-back"])
+    child(Path(sys.argv[1]), sys.argv[2])
