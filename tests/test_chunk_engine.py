@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from chunkserver import engine as engine_mod
 from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
+from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
 from kvfs.pool import BufferPool, page_aligned
 
@@ -361,6 +362,15 @@ def test_held_writes_stay_within_hold_bytes_and_changeable_buffers_are_not_held(
         put(e, ChunkId(9, 9), 1, 0, bytearray(chunk))  # its owner could change it after the call: written now
         assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
         assert [content(e, ChunkId(9, i)) for i in range(5)] == [bytes([i + 1]) * chunk for i in range(5)]
+
+
+def test_hold_bytes_defaults_to_a_share_of_memory_and_only_applies_to_write_back() -> None:
+    assert 0 < ChunkServerSection().resolved_hold_bytes() <= 384 << 20
+    assert ChunkServerSection(hold_bytes=1 << 20).resolved_hold_bytes() == 1 << 20
+    assert ChunkServerSection(write_through=True).resolved_hold_bytes() == 0
+    assert ChunkServerSection(fsync=False, hold_bytes=1 << 20).resolved_hold_bytes() == 0
+    with pytest.raises(KvfsError, match="hold_bytes"):
+        ChunkServerSection(hold_bytes=-1).resolved_hold_bytes()
 
 
 def test_reader_pins_slot_against_reuse(eng: ChunkEngine) -> None:

@@ -252,10 +252,11 @@ async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
                 await trio.sleep(0.1)
 
 
-async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_is_resynced(processes, tmp_path):
+@pytest.mark.parametrize("loss", ["power", "kill"], ids=["power-loss", "kill-with-held-writes"])
+async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_is_resynced(processes, tmp_path, loss):
     """A chunk server dies with writes it acknowledged but never flushed, and its disk lacks their data (a power
-    loss of its host): it reopens at the versions its last sync made durable, the chain resyncs it, and every
-    replica ends up with the newest data."""
+    loss of its host; or a kill -9 alone, since whole-chunk writes wait in memory for a sync): it reopens at the
+    versions its last sync made durable, the chain resyncs it, and every replica ends up with the newest data."""
     cluster = await start_cluster(processes, tmp_path, sync_interval=0)
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         mgmtd = MgmtdClient(rpc, cluster.mgmtd)
@@ -265,7 +266,11 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
         newest = os.urandom(3 << 20)
         await storage.write(9, LAYOUT, 0, newest)
         cluster.kill_chunkserver(3)
-        assert tear_unsynced(tmp_path / "cs3", random.Random(0), share=1.0) == 3
+        if loss == "power":
+            assert tear_unsynced(tmp_path / "cs3", random.Random(0), share=1.0) == 3
+        else:  # the three chunks were held in memory: they died with the process, and the replica falls back
+            assert unsynced_rows(tmp_path / "cs3") == 3
+            assert b"".join(replica_contents(tmp_path, (3,))[0][(9, i)] for i in range(3)) != newest
         with trio.fail_after(20):  # mgmtd takes the dead target out before it comes back
             while (await mgmtd.call(STATUS, Empty())).routing.chains[0].state_of(300) is TargetState.SERVING:
                 await trio.sleep(0.1)
