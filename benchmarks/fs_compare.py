@@ -904,7 +904,8 @@ def install(packages: list[str]) -> None:
 def durability(args: argparse.Namespace) -> str:
     if args.kvfs_write_through:
         return "flush every write (write-through)"
-    return "flush at fsync and every 5 s (write-back)" if args.kvfs_fsync else "never flush"
+    return ("flush at fsync and every 5 s, holding whole-chunk writes in memory until then (write-back)"
+            if args.kvfs_fsync else "never flush")
 
 
 def main() -> int:

@@ -466,7 +466,7 @@ class ChunkEngine:
         for up to ~0.1 s, and every engine call waits for ``_lock`` meanwhile: a file that grows slot by slot took
         147 of them in the first 8 s of a fresh target's sequential writes. A sync that writes out held versions
         is such a flush, and it also holds the file's inode lock that fallocate needs; with 64 MiB steps, fio's
-        first write job on a fresh ``kvfs up`` stalled for half seconds at a time (552-830 MB/s, eight runs), with
+        first write job on a fresh ``kvfs up`` stalled for half seconds at a time (552-830 MB/s, eleven runs), with
         256 MiB steps it did not (745-888, five runs). A disk too full for the step still gets a single slot."""
         step = max(1, min(f.total, _GROW_BYTES // f.size))
         while True:
