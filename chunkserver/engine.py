@@ -87,8 +87,8 @@ a file written in order) is not written at all at first: the engine keeps the re
 until a sync writes it out. If the chunk is written again before that, the new version's commit frees the old
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
 sync interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
-copy per sync instead of one per write; on ``kvfs up`` that job wrote 21 GB to the disk in 12 s before, 1.7 GB
-with held writes. Anything that reads a held version's slot (a read, a loan, a partial write's old blocks, a
+copy per sync instead of one per write; on ``kvfs up`` that job wrote about 21 GiB to the disk in 12 s before,
+1.7 GiB with held writes. Anything that reads a held version's slot (a read, a loan, a partial write's old blocks, a
 short-circuit reader) writes it out first; past ``hold_bytes`` the oldest held versions are written out by the
 writer that went past it.
 
@@ -264,7 +264,8 @@ def _enospc(what: str) -> KvfsError:
 
 class ChunkEngine:
     """Chunk versions of one storage target. Thread-safe: big calls may run in worker threads while
-    small cached ones (``meta``, ``list_chunks``, ``space``, ``local_location``) run inline."""
+    small cached ones (``meta``, ``list_chunks``, ``space``; ``local_location`` unless the version is held) run
+    inline."""
 
     def __init__(
         self, root: Path, *, fsync: bool = True, write_through: bool = True, capacity_bytes: int | None = None,
@@ -296,7 +297,7 @@ class ChunkEngine:
         self._seq = 0  # the last unsynced staging's number
         self._covered_upto = 0  # stagings up to this number are covered by the latest sync begun (durable at its end)
         self._sync_lock = threading.Lock()  # one sync at a time; a caller's sync starts after its call
-        self._held: dict[tuple[int, int], memoryview] = {}  # slot -> its version's bytes, not yet written (oldest first)
+        self._held: dict[tuple[int, int], memoryview] = {}  # slot -> its version's unwritten bytes, oldest first
         self._held_bytes = 0
         self._writing: dict[tuple[int, int], bool] = {}  # slot being written out from _held -> freed meanwhile
         self._written = threading.Condition(self._lock)  # a write-out ended
