@@ -488,10 +488,8 @@ class ChunkEngine:
         if self._pins[key]:
             self._deferred.add(key)
             return
-        held = self._held.pop(key, None)
+        held = self._pop_held(key)
         if held is not None:  # superseded or removed before a sync wrote it: it never reaches the disk
-            self._held_bytes -= len(held)
-            HELD_NOW.dec(len(held))
             HELD_BYTES.labels("dropped").inc(len(held))
         if key in self._writing:  # reused only once the write-out under way has ended
             self._writing[key] = True
@@ -597,9 +595,7 @@ class ChunkEngine:
         if not self._hold_limit or len(data) > self._hold_limit or not isinstance(data.obj, (bytes, mmap.mmap)):
             return False
         with self._lock:
-            self._held[(cls, slot)] = data
-            self._held_bytes += len(data)
-        HELD_NOW.inc(len(data))
+            self._put_held((cls, slot), data)
         while self._held_bytes > self._hold_limit:
             with self._lock:
                 oldest = next(iter(self._held), None)
@@ -607,6 +603,20 @@ class ChunkEngine:
                 break
             self._write_held(oldest)
         return True
+
+    def _put_held(self, key: tuple[int, int], data: memoryview) -> None:
+        """(Caller holds ``_lock``.)"""
+        self._held[key] = data
+        self._held_bytes += len(data)
+        HELD_NOW.inc(len(data))
+
+    def _pop_held(self, key: tuple[int, int]) -> memoryview | None:
+        """Slot ``key``'s held bytes, no longer held; None if it has none. (Caller holds ``_lock``.)"""
+        data = self._held.pop(key, None)
+        if data is not None:
+            self._held_bytes -= len(data)
+            HELD_NOW.dec(len(data))
+        return data
 
     def _settle(self, v: _Version, nowait: bool = False) -> None:
         """Make sure ``v``'s bytes are in its slot (written out if held) before they are read from it.
@@ -624,12 +634,10 @@ class ChunkEngine:
         with self._lock:
             while key in self._writing:
                 self._written.wait()
-            data = self._held.pop(key, None)
+            data = self._pop_held(key)
             if data is None:
                 return
-            self._held_bytes -= len(data)
             self._writing[key] = False
-        HELD_NOW.dec(len(data))
         cls, slot = key
         written = False
         try:
@@ -641,9 +649,7 @@ class ChunkEngine:
                 if freed:
                     self._free(cls, slot)
                 elif not written:  # kept for the next try (a sync that failed tries again)
-                    self._held[key] = data
-                    self._held_bytes += len(data)
-                    HELD_NOW.inc(len(data))
+                    self._put_held(key, data)
                 self._written.notify_all()
             if written:
                 HELD_BYTES.labels("written").inc(len(data))
