@@ -22,7 +22,7 @@ from pathlib import Path
 from crc32c import crc32c
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from chunkserver.engine import ChunkEngine, ChunkId  # noqa: E402
+from kvfs.chunkserver.engine import ChunkEngine, ChunkId  # noqa: E402
 from kvfs.pool import page_aligned  # noqa: E402
 
 MiB = 1 << 20

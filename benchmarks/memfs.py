@@ -23,7 +23,7 @@ import pyfuse3
 import trio
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fuse.mount import mount_options  # noqa: E402  (the kvfs mount's own options)
+from kvfs.fuse.mount import mount_options  # noqa: E402  (the kvfs mount's own options)
 
 TIMEOUT = 60.0  # what the kvfs mount gives the kernel while it follows meta's change feed
 

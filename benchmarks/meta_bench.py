@@ -21,10 +21,10 @@ from pathlib import Path
 import trio
 
 from kvfs.rpc import RpcClient
-from meta.client import LocalMeta, RemoteMeta
-from meta.kv import open_database
-from meta.store import MetaStore
-from meta.types import ROOT
+from kvfs.meta.client import LocalMeta, RemoteMeta
+from kvfs.kv import open_database
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import ROOT
 
 TOKEN = "bench"
 

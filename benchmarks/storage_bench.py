@@ -5,7 +5,7 @@
 Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount) in a temporary directory, then for
 chunk sizes of 1, 4 and 16 MiB and 1 and 8 concurrent streams (each stream its own file, whole-chunk
 writes, each stream's file synced at its end as a file's fsync does) measures write and read GB/s through
-:class:`chunkserver.client.StorageClient`, beside a plain loopback socket pump measured in the same run, and
+:class:`kvfs.chunkserver.client.StorageClient`, beside a plain loopback socket pump measured in the same run, and
 prints the ratios. Writes are measured twice, side by side: over loopback TCP (a client with shared memory
 off, so its chain forwards over TCP too) and through shared memory (the client writes from a buffer in its
 arena, as the mount does, and every hop copies out of its predecessor's; ``kvfs/transport/shm.py``). Every byte written is replicated three times, so the network carries 3x the write figure.
@@ -26,14 +26,14 @@ from pathlib import Path
 import trio
 from rpc_bench import plain_pump, plain_server
 
-from chunkserver.client import StorageClient
-from chunkserver.server import CHUNK_LIMITS
-from craq.mgmtd import MgmtdClient
+from kvfs.chunkserver.client import StorageClient
+from kvfs.chunkserver.server import CHUNK_LIMITS
+from kvfs.craq.mgmtd import MgmtdClient
 from kvfs.config import load_config
 from kvfs.localcluster import LocalCluster
 from kvfs.rpc import RpcClient
 from kvfs.transport import shm
-from meta.types import Layout
+from kvfs.meta.types import Layout
 
 CHUNK_SIZES = [1 << 20, 4 << 20, 16 << 20]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
 from kvfs.wire import Empty, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).

@@ -6,9 +6,9 @@ import contextlib
 from pathlib import Path
 
 
-from chunkserver.engine import ChunkEngine
-from chunkserver.service import ChunkServer, target_id_for
-from craq.mgmtd import MgmtdClient
+from kvfs.chunkserver.engine import ChunkEngine
+from kvfs.chunkserver.service import ChunkServer, target_id_for
+from kvfs.craq.mgmtd import MgmtdClient
 from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.pool import RECEIVED
@@ -66,7 +66,7 @@ def serve_chunkserver(
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(
-                    server, listen, http=http, background=(chunkserver.run, shm.give_back_idle),
+                    server, listen, http=http, background=(kvfs.chunkserver.run, shm.give_back_idle),
                     health=lambda: {"ok": chunkserver.registered.is_set(), "targets": sorted(engines)},
                 )
 

@@ -1,6 +1,6 @@
 """``kvfs chunkserver``: storage targets on local disks, driven by the CRAQ state machine.
 
-This module is the driver of :class:`craq.member.ChainMember`: it turns RPCs from clients and peers into the
+This module is the driver of :class:`kvfs.craq.member.ChainMember`: it turns RPCs from clients and peers into the
 member's events, and the member's effects into engine calls and RPCs. It never decides anything about
 replication itself — versions, forwarding, commit order and read safety are the member's.
 
@@ -24,11 +24,11 @@ import prometheus_client
 import trio
 from crc32c import crc32c
 
-from chunkserver import protocol as p
-from chunkserver.engine import ChunkEngine
-from chunkserver.engine import ChunkId as EngineChunkId
-from craq.cluster import Heartbeat, RoutingSnapshot
-from craq.member import (
+from kvfs.chunkserver import protocol as p
+from kvfs.chunkserver.engine import ChunkEngine
+from kvfs.chunkserver.engine import ChunkId as EngineChunkId
+from kvfs.craq.cluster import Heartbeat, RoutingSnapshot
+from kvfs.craq.member import (
     Abort,
     AskTail,
     ChainMember,
@@ -47,8 +47,8 @@ from craq.member import (
     ServeVersion,
     Tick,
 )
-from craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
-from craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
+from kvfs.craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
@@ -82,7 +82,7 @@ def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkMeta]:
     """What a restarted member resumes from: each chunk's committed and pending versions on disk."""
     chunks = {}
     for meta in engine.list_chunks():
-        committed, pending = engine.versions(meta.chunk_id)
+        committed, pending = engine.versions(kvfs.meta.chunk_id)
         newest = pending or committed
         requests = _requests_codec[1].decode(newest.aux) if newest and newest.aux else {}
         chunks[ChunkId(*meta.chunk_id)] = ChunkMeta(
@@ -530,7 +530,7 @@ class ChunkServer:
         if committed is None:
             raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
         buf, meta = await trio.to_thread.run_sync(lambda: engine.read(cid, 0, p.MAX_CHUNK_SIZE))
-        return p.FetchedChunk(meta.version, meta.crc), buf
+        return p.FetchedChunk(kvfs.meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
         return p.Removed(await trio.to_thread.run_sync(
@@ -545,7 +545,7 @@ class ChunkServer:
         for engine in self.engines.values():
             for meta in engine.list_chunks(req.inode):
                 if meta.chunk_id.index > last.index and meta.length:
-                    last = p.LastChunk(meta.chunk_id.index, meta.length)
+                    last = p.LastChunk(kvfs.meta.chunk_id.index, meta.length)
         return last
 
     async def _on_space(self, req: Empty, data: Any, ctx: CallContext) -> p.Space:

@@ -23,7 +23,7 @@ import msgspec
 
 from kvfs.errors import KvfsError
 
-from craq.messages import ChainConfig, ChainTarget, SyncDone, TargetState
+from kvfs.craq.messages import ChainConfig, ChainTarget, SyncDone, TargetState
 
 
 class NodeInfo(msgspec.Struct):

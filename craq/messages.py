@@ -6,7 +6,7 @@ carries ``chain_id`` and ``chain_version`` so a receiver with a different view o
 Bulk data: messages that move chunk bytes (:class:`WriteReq`, :class:`UpdateReq`, :class:`ReadResp`) keep them
 in a separate ``data: bytes | None`` field. The RPC driver strips it before encoding
 (``msgspec.structs.replace(msg, data=None)``), sends the bytes as the frame's raw payload (or by RDMA), and
-attaches them again on receipt before handing the message to :class:`craq.member.ChainMember`. The state
+attaches them again on receipt before handing the message to :class:`kvfs.craq.member.ChainMember`. The state
 machine always sees ``data`` attached; ``crc`` is the CRC32C of ``data`` as computed by the sender.
 """
 

@@ -1,4 +1,4 @@
-"""``kvfs mgmtd``: the cluster manager service around :class:`craq.cluster.ClusterManager`.
+"""``kvfs mgmtd``: the cluster manager service around :class:`kvfs.craq.cluster.ClusterManager`.
 
 Several instances run; the one holding the lease record in the KV store is primary and the others stand by,
 renewing nothing until the lease lapses. The primary keeps heartbeats in memory and persists the cluster state
@@ -22,13 +22,13 @@ from typing import Any
 import msgspec
 import trio
 
-from craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
-from craq.messages import ChecksumReport, SyncDone
+from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
+from kvfs.craq.messages import ChecksumReport, SyncDone
 from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import CallContext, RpcClient, RpcServer
 from kvfs.wire import Empty, Method
-from meta.kv import Database, Transaction
-from meta.kv.keys import pack
+from kvfs.kv import Database, Transaction
+from kvfs.kv.keys import pack
 
 log = logging.getLogger("kvfs.mgmtd")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import uuid
 
-from craq.mgmtd import MgmtdService
+from kvfs.craq.mgmtd import MgmtdService
 from kvfs.config import ClusterConfig
 from kvfs.rpc import RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
-from meta.kv import open_database
+from kvfs.kv import open_database
 
 
 def serve_mgmtd(

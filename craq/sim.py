@@ -26,13 +26,13 @@ from crc32c import crc32c
 
 from kvfs.errors import NotCommitted
 
-from craq.cluster import ClusterManager, ClusterState, Heartbeat
-from craq.linearizable import Op, check_register
-from craq.member import (
+from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
+from kvfs.craq.linearizable import Op, check_register
+from kvfs.craq.member import (
     AskTail, ChainMember, ChunkMeta, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
     ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
-from craq.messages import (
+from kvfs.craq.messages import (
     ChecksumReport, ChunkId, ReadReq, ReadResp, SyncDone, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
 )
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import pyfuse3
 import trio
 
-from meta.types import Caller, ChangePage
+from kvfs.meta.types import Caller, ChangePage
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ holds, it does not. The mount asks for a directory's delegation after a few sync
 (:meth:`DirOps.want`), then answers ``create`` of a free name and ``unlink`` of a file it made under the grant
 from what it knows: the grant's complete listing (kept, and kept current by the mount's own changes, as any
 complete listing is: fuse/coherence.py), the directory's attributes, and inode ids meta handed to it. The changes queue in order and one task sends them in batches
-(``meta.apply_delegated``), so a burst of creates costs meta one transaction per batch.
+(``kvfs.meta.apply_delegated``), so a burst of creates costs meta one transaction per batch.
 
 Ordering and visibility:
 
@@ -38,8 +38,8 @@ import pyfuse3
 import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
-from meta.store import ID_BLOCK, NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
-from meta.types import Attr, Caller, CreateOp, Delegated, DirOp, Layout, Opened, UnlinkOp
+from kvfs.meta.store import ID_BLOCK, NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
+from kvfs.meta.types import Attr, Caller, CreateOp, Delegated, DirOp, Layout, Opened, UnlinkOp
 
 from .coherence import Coherence, invalidate_attributes
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import trio
 
-from chunkserver.client import StorageClient
-from chunkserver.server import CHUNK_LIMITS
-from craq.mgmtd import MgmtdClient
+from kvfs.chunkserver.client import StorageClient
+from kvfs.chunkserver.server import CHUNK_LIMITS
+from kvfs.craq.mgmtd import MgmtdClient
 from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient
 from kvfs.service import setup_logging
 from kvfs.transport import shm
-from meta.client import RemoteMeta
+from kvfs.meta.client import RemoteMeta
 
 from .mount import run_mount
 
@@ -33,7 +33,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(meta.keep_alive)
+                nursery.start_soon(kvfs.meta.keep_alive)
                 nursery.start_soon(shm.give_back_idle)
                 await run_mount(meta, storage, mountpoint, **options)
                 nursery.cancel_scope.cancel()

@@ -17,7 +17,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from meta.types import Caller
+from kvfs.meta.types import Caller
 
 from .ops import KvfsOperations
 

@@ -1,7 +1,7 @@
 """pyfuse3 low-level operations over two injected collaborators.
 
-* ``meta``: any object with the async methods of :class:`meta.store.MetaStore` (``meta.client.RemoteMeta``
-  over RPC, ``meta.client.LocalMeta`` in process). Every call passes the requester's :class:`Caller`
+* ``meta``: any object with the async methods of :class:`kvfs.meta.store.MetaStore` (``kvfs.meta.client.RemoteMeta``
+  over RPC, ``kvfs.meta.client.LocalMeta`` in process). Every call passes the requester's :class:`Caller`
   (uid, gid, supplementary gids, pid) so meta enforces POSIX permissions; the mount does not use the
   kernel's ``default_permissions``.
 * ``storage``: a :class:`kvfs.storage.FileStorage` (read/write/truncate by inode + layout + offset).
@@ -31,8 +31,8 @@ from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
 from kvfs.transport.shm import SHARED
-from meta.store import LAYOUT_XATTR
-from meta.types import Attr, Caller, Layout, Opened
+from kvfs.meta.store import LAYOUT_XATTR
+from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache, Stamp

@@ -14,7 +14,7 @@ from kvfs.rpc import RpcClient
 
 
 async def cluster_status(config: ClusterConfig) -> Any:
-    from craq.mgmtd import STATUS, MgmtdClient
+    from kvfs.craq.mgmtd import STATUS, MgmtdClient
     from kvfs.wire import Empty
 
     async with RpcClient(config.resolved_token(), connect_timeout=2, call_timeout=5) as rpc:
@@ -22,7 +22,7 @@ async def cluster_status(config: ClusterConfig) -> Any:
 
 
 async def create_chains(config: ClusterConfig, replicas: int) -> list[int]:
-    from craq.mgmtd import CREATE_CHAINS, CreateChains, MgmtdClient
+    from kvfs.craq.mgmtd import CREATE_CHAINS, CreateChains, MgmtdClient
 
     async with RpcClient(config.resolved_token(), connect_timeout=2, call_timeout=10) as rpc:
         created = await MgmtdClient(rpc, config.mgmtd, rounds=2).call(CREATE_CHAINS, CreateChains(replicas=replicas))
@@ -51,13 +51,13 @@ class ChunkCheck(msgspec.Struct):
 
 async def check_file(config: ClusterConfig, path: str, progress: Any = None) -> tuple[Any, list[ChunkCheck]]:
     """Every chunk of the file at ``path`` (relative to the filesystem root) as each replica holds it."""
-    from chunkserver import protocol as p
-    from craq.messages import ChunkId
-    from craq.mgmtd import ROUTING, MgmtdClient
+    from kvfs.chunkserver import protocol as p
+    from kvfs.craq.messages import ChunkId
+    from kvfs.craq.mgmtd import ROUTING, MgmtdClient
     from kvfs.wire import Empty
-    from meta.client import RemoteMeta
-    from meta.placement import chunk_chain
-    from meta.types import ROOT
+    from kvfs.meta.client import RemoteMeta
+    from kvfs.meta.placement import chunk_chain
+    from kvfs.meta.types import ROOT
 
     if not config.meta:
         raise KvfsError("the config lists no meta addresses", errno.EINVAL)

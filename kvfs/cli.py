@@ -74,7 +74,7 @@ def main() -> None:
 def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None,
              mgmtd: tuple[str, ...]) -> None:
     """Run a stateless metadata service."""
-    from meta.server import serve_meta
+    from kvfs.meta.server import serve_meta
 
     config = _load(config_path)
     if mgmtd:
@@ -90,7 +90,7 @@ def meta_cmd(config_path: str | None, log_level: str, listen: str, http_address:
 @click.option("--kv-url", default=None, help="KV store URL (sqlite:///file or fdb:///cluster-file).")
 def mgmtd_cmd(config_path: str | None, log_level: str, listen: str, http_address: str | None, kv_url: str | None) -> None:
     """Run a cluster manager (one of several; the lease holder is primary)."""
-    from craq.server import serve_mgmtd
+    from kvfs.craq.server import serve_mgmtd
 
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mgmtd(config, listen=listen, http=http_address, kv_url=kv_url, log_level=log_level))
@@ -106,7 +106,7 @@ def mgmtd_cmd(config_path: str | None, log_level: str, listen: str, http_address
 def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, listen: str, targets: tuple[str, ...],
                     mgmtd: tuple[str, ...], http_address: str | None) -> None:
     """Run a chunk server owning one or more storage targets."""
-    from chunkserver.server import serve_chunkserver
+    from kvfs.chunkserver.server import serve_chunkserver
 
     config = _load(config_path)
     if mgmtd:
@@ -148,7 +148,7 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
     The mount follows meta's change feed: other clients' changes reach the kernel's caches within
     milliseconds, so entries and attributes are kept for --coherent-timeout. While the feed cannot be
     followed, the --entry/--attr-timeout values apply, and other clients' changes show after them."""
-    from fuse.main import serve_mount
+    from kvfs.fuse.main import serve_mount
 
     config = _load(config_path)
     _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,

@@ -1,6 +1,6 @@
 """CRC32C by 64 KiB blocks: what the chunk engine stores per version and what a chain member checks a write with.
 
-A write's bytes are checked once per replica: the chain member (``craq.member``) computes the CRCs of the
+A write's bytes are checked once per replica: the chain member (``kvfs.craq.member``) computes the CRCs of the
 write's ``BLOCK``-sized pieces, folds them into the CRC of the whole write to check it against the client's, and
 hands the block CRCs on to the engine, which stores them with the version instead of reading the bytes again.
 """

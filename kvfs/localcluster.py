@@ -188,7 +188,7 @@ class LocalCluster:
         The sizes (chunk servers, replicas, targets per server), ``fsync`` and ``write_through`` apply when the
         directory is new; a restart keeps what it was created with (they live in ``cluster.toml``'s
         ``[chunkserver]``)."""
-        from fuse.mount import force_unmount, is_mounted
+        from kvfs.fuse.mount import force_unmount, is_mounted
 
         config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through)
         daemon_alive = self.pid_of("mount") is not None
@@ -217,8 +217,8 @@ class LocalCluster:
 
     def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any) -> None:
         """Create the chain table on first start, then wait until every target serves."""
-        from craq.messages import TargetState
-        from craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+        from kvfs.craq.messages import TargetState
+        from kvfs.craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
         from kvfs.rpc import RpcClient
         from kvfs.wire import Empty
 
@@ -252,7 +252,7 @@ class LocalCluster:
         """Unmount first (so no writer is cut off mid-flush), then stop meta (its garbage collection calls the
         chunk servers, and would log a failed round if they went first), then the chunk servers and mgmtd."""
         config, layout = self._load()
-        from fuse.mount import force_unmount, is_mounted
+        from kvfs.fuse.mount import force_unmount, is_mounted
 
         procs = self.processes(layout)
         if is_mounted(layout.mount):
@@ -286,7 +286,7 @@ class LocalCluster:
     # ----------------------------------------------------------------------------------- status
 
     def status(self) -> dict[str, Any]:
-        from fuse.mount import is_mounted
+        from kvfs.fuse.mount import is_mounted
 
         config, layout = self._load()
         processes = []
@@ -318,7 +318,7 @@ class LocalCluster:
 
     @staticmethod
     async def _mgmtd_status(config: ClusterConfig) -> Any:
-        from craq.mgmtd import STATUS, MgmtdClient
+        from kvfs.craq.mgmtd import STATUS, MgmtdClient
         from kvfs.rpc import RpcClient
         from kvfs.wire import Empty
 

@@ -1,7 +1,7 @@
 """What the mount and kvclient need from the storage tier, independent of how chunks travel.
 
 :class:`FileStorage` is the contract between a client face (FUSE, kvclient) and the storage client that
-talks to the chunk servers (``chunkserver.client.StorageClient``). It speaks in file terms — an inode, its
+talks to the chunk servers (``kvfs.chunkserver.client.StorageClient``). It speaks in file terms — an inode, its
 layout, byte offsets — and hides chunks, chains, replicas, retries and transports. File length is not its
 business: metadata owns it, so a read past a chunk's end yields zeros (a hole), and callers clamp to the length
 they got from meta.
@@ -15,7 +15,7 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 
 
 class LayoutLike(Protocol):
-    """The fields of ``meta.store.Layout`` that placement needs."""
+    """The fields of ``kvfs.meta.store.Layout`` that placement needs."""
 
     chain_table: int
     chunk_size: int

@@ -1,6 +1,6 @@
 """Clients of the metadata service with the same async surface: one over RPC, one in-process.
 
-Both expose every operation of :class:`meta.store.MetaStore` as an async method with the same name and
+Both expose every operation of :class:`kvfs.meta.store.MetaStore` as an async method with the same name and
 arguments (``await meta.lookup(caller, parent, name)``), so the mount and kvclient do not care whether the
 store is across the network or in the same process.
 """
@@ -20,11 +20,11 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
-from meta.delegation import DelegationHeld, retry_while_recalled
-from meta.feed import ORIGIN, long_poll
-from meta.rpc import OPS, WATCH, WatchRequest
-from meta.store import MetaStore
-from meta.types import Caller, ChangePage
+from kvfs.meta.delegation import DelegationHeld, retry_while_recalled
+from kvfs.meta.feed import ORIGIN, long_poll
+from kvfs.meta.rpc import OPS, WATCH, WatchRequest
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import Caller, ChangePage
 
 log = logging.getLogger(__name__)
 _FIRST_LEASE_GUESS = 20.0  # seconds; only until meta has answered once
@@ -77,7 +77,7 @@ class RemoteMeta:
     async def _call(self, method: Any, request: Any) -> Any:
         """Try instances in turn. A call that may have run is retried too: idempotent methods run again
         harmlessly, and the others carry an op id under which meta answers a retry with the first answer
-        (:meth:`meta.store.MetaStore.answering_once`)."""
+        (:meth:`kvfs.meta.store.MetaStore.answering_once`)."""
         error: Exception | None = None
         retry_safe = method.idempotent or bool(getattr(request, "op_id", b""))
         for attempt in range(self._rounds * len(self._addresses)):

@@ -2,7 +2,7 @@
 
 Mounts cache entries and attributes in the kernel for as long as they can hear about other clients' changes
 (``fuse/coherence.py``). For that, each transaction that writes an inode or a directory entry also writes a
-:class:`~meta.types.Change` under a commit-ordered stamped key (:meth:`~meta.kv.base.Transaction.set_stamped`):
+:class:`~kvfs.meta.types.Change` under a commit-ordered stamped key (:meth:`~kvfs.kv.base.Transaction.set_stamped`):
 a versionstamp on FoundationDB, so the feed adds no conflicts between metadata instances, and the next value of
 a counter under SQLite's single writer. A reader that remembers the last stamp it saw and range-reads past it
 sees every later change exactly once, from any metadata instance.
@@ -23,8 +23,8 @@ import msgspec
 import trio
 
 from . import schema
-from .kv import Database, KeyValue, Transaction
-from .kv.keys import unpack
+from kvfs.kv import Database, KeyValue, Transaction
+from kvfs.kv.keys import unpack
 from .types import Change, ChangePage
 
 P = ParamSpec("P")

@@ -10,8 +10,8 @@ from collections import Counter
 import msgspec
 
 from . import schema
-from .kv import Database, Transaction
-from .kv.keys import decode_int, prefix_range, unpack
+from kvfs.kv import Database, Transaction
+from kvfs.kv.keys import decode_int, prefix_range, unpack
 from .store import ROOT_INO
 from .types import DirEntry, Inode, Session
 

@@ -1,4 +1,4 @@
-"""The metadata service's wire surface, derived from :class:`meta.store.MetaStore` itself.
+"""The metadata service's wire surface, derived from :class:`kvfs.meta.store.MetaStore` itself.
 
 Each public operation of the store becomes one RPC method whose request struct holds the operation's
 parameters (typed from its annotations) and whose response struct holds its return value. Deriving them keeps
@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from kvfs.wire import Method
-from meta.store import MetaStore
-from meta.types import Caller, ChangePage
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import Caller, ChangePage
 
 #: Every operation served over RPC, in method-id order (append only), and whether a blind retry is safe.
 OPERATIONS: tuple[tuple[str, bool], ...] = (

@@ -22,7 +22,7 @@ key                            value
 
 from __future__ import annotations
 
-from meta.kv.keys import pack, prefix_range
+from kvfs.kv.keys import pack, prefix_range
 
 NS = "meta"
 FORMAT = pack(NS, "format")

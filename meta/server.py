@@ -7,10 +7,10 @@ import contextlib
 from kvfs.config import ClusterConfig
 from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
-from meta.kv import open_database
-from meta.service import MetaService
-from meta.store import MetaStore
-from meta.types import Layout
+from kvfs.kv import open_database
+from kvfs.meta.service import MetaService
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import Layout
 
 #: New files spread their chunks over up to this many chains, so one big file reads and writes in parallel.
 DEFAULT_STRIPE = 16
@@ -29,8 +29,8 @@ def serve_meta(
         async with contextlib.AsyncExitStack() as stack:
             remover = None
             if config.mgmtd:  # chunks of removed files can only be freed where the chunk servers are known
-                from chunkserver.client import StorageClient, SyncChunkRemover
-                from craq.mgmtd import MgmtdClient
+                from kvfs.chunkserver.client import StorageClient, SyncChunkRemover
+                from kvfs.craq.mgmtd import MgmtdClient
 
                 client = RpcClient(token, connect_timeout=config.timeouts.connect, transport=transport)
                 rpc = await stack.enter_async_context(client)

@@ -8,7 +8,7 @@ with sleeps (measured: 8 clients' creates went from ~600/s to ~3,000/s). Foundat
 network, so they run in worker threads. Inline transactions also run in the connection's reader task (no task
 per call): the handler has nothing to wait for.
 
-``meta.watch`` long-polls the change feed (:mod:`meta.feed`): a watcher wakes as soon as a call to this instance
+``kvfs.meta.watch`` long-polls the change feed (:mod:`kvfs.meta.feed`): a watcher wakes as soon as a call to this instance
 by another client commits a change, and re-reads the feed every ``feed_poll`` seconds for changes committed
 through other instances, which it has no other way to hear of.
 """
@@ -24,11 +24,11 @@ import trio
 
 from kvfs import wire
 from kvfs.rpc import CallContext, RpcServer
-from meta.delegation import DelegationHeld
-from meta.feed import ORIGIN, long_poll
-from meta.rpc import MAX_WATCH_WAIT, OPS, WATCH, Operation, WatchRequest, WatchResponse
-from meta.store import FEED_SECONDS, MetaStore
-from meta.types import ChangePage
+from kvfs.meta.delegation import DelegationHeld
+from kvfs.meta.feed import ORIGIN, long_poll
+from kvfs.meta.rpc import MAX_WATCH_WAIT, OPS, WATCH, Operation, WatchRequest, WatchResponse
+from kvfs.meta.store import FEED_SECONDS, MetaStore
+from kvfs.meta.types import ChangePage
 
 log = logging.getLogger("kvfs.meta")
 

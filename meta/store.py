@@ -33,9 +33,9 @@ from . import schema
 from .chunks import ChunkRemover
 from .delegation import BLOCKS_KEPT, DELEGATION_SECONDS, MAX_DELEGATED_NAMES, DelegationHeld
 from .feed import ORIGIN, FeedDatabase, decode_change, stamp_of
-from .kv import Database, Transaction
-from .kv.base import STAMP_BYTES
-from .kv.keys import decode_int, encode_int, key_after, unpack
+from kvfs.kv import Database, Transaction
+from kvfs.kv.base import STAMP_BYTES
+from kvfs.kv.keys import decode_int, encode_int, key_after, unpack
 from .types import (Attr, Caller, Change, ChangePage, CreateOp, Delegated, Delegation, DirEntry, DirOp, DirPage, Entry,
                     Inode, Layout, Opened, Session, StatFs, TimeSpec)
 
@@ -1221,7 +1221,7 @@ class MetaStore:
 
     # ------------------------------------------------------------------ change feed -------
     def changes(self, since: bytes = b"", *, limit: int = 1024, skip_client: bytes = b"") -> ChangePage:
-        """The changes committed after cursor ``since`` (see :mod:`meta.feed`), in commit order, at most ``limit``.
+        """The changes committed after cursor ``since`` (see :mod:`kvfs.meta.feed`), in commit order, at most ``limit``.
 
         An empty ``since`` starts at the feed's head: no changes, just the cursor to follow from. Changes made by
         ``skip_client`` are left out (a mount knows its own), but the cursor still moves past them."""

@@ -26,7 +26,7 @@ ROOT = Caller(0, 0)
 
 
 class Layout(msgspec.Struct, frozen=True):
-    """Where a file's chunks live: see :func:`meta.placement.chunk_chain`.
+    """Where a file's chunks live: see :func:`kvfs.meta.placement.chunk_chain`.
 
     chunk_size is a power of two in [64 KiB, 64 MiB]. The 4 MiB default is measured (README, "Performance"):
     every chunk write costs the chunk servers a chain round and two SQLite commits whatever its size (and two
@@ -49,7 +49,7 @@ class Layout(msgspec.Struct, frozen=True):
         """This layout with the ``key=value`` pairs of ``text`` applied (``chunk_size=1M stripe=8``; sizes take
         K/M/G suffixes). Keys left out keep their values. The seed is per file; the chain table is not settable
         here (meta cannot check that it exists). ValueError names what is wrong; ranges are checked by
-        :meth:`meta.store.MetaStore.set_layout`."""
+        :meth:`kvfs.meta.store.MetaStore.set_layout`."""
         raw = text.decode() if isinstance(text, bytes) else text
         changes: dict[str, int] = {}
         for pair in raw.replace(",", " ").split():
@@ -166,7 +166,7 @@ class Change(msgspec.Struct, array_like=True):
 
 
 class ChangePage(msgspec.Struct):
-    """What :meth:`meta.store.MetaStore.changes` returns: the changes after the caller's cursor, in commit order.
+    """What :meth:`kvfs.meta.store.MetaStore.changes` returns: the changes after the caller's cursor, in commit order.
 
     ``cursor`` is where to continue. ``gap``: the records after the caller's cursor were trimmed, so it has
     missed changes it cannot learn (it must drop everything it caches); ``cursor`` is then the feed's head.
@@ -190,10 +190,10 @@ class Delegation(msgspec.Struct, array_like=True):
 
 
 class Delegated(msgspec.Struct):
-    """What :meth:`meta.store.MetaStore.delegate` answers. ``granted`` False: another client holds the directory,
+    """What :meth:`kvfs.meta.store.MetaStore.delegate` answers. ``granted`` False: another client holds the directory,
     the listing is too large, or a renewal came after the delegation had lapsed. A new grant carries the
     directory's attributes, the layout its children get, and every name in it; every grant and renewal carries
-    ``ids``, the first of ``meta.store.ID_BLOCK`` fresh inode ids for the holder's creates."""
+    ``ids``, the first of ``kvfs.meta.store.ID_BLOCK`` fresh inode ids for the holder's creates."""
 
     granted: bool
     epoch: int = 0

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse.mount import is_mounted
+from kvfs.fuse.mount import is_mounted
 from kvfs.localcluster import process_exists as process_alive
 
 REPO = Path(__file__).resolve().parent.parent

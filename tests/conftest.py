@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from harness import Processes
 
-from meta.kv import SqliteDatabase
+from kvfs.kv import SqliteDatabase
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Test harness for the FUSE mount: in-process stand-ins for the remote collaborators, and a server
 entry point the tests start in a subprocess.
 
-* ``meta.client.LocalMeta`` turns the synchronous ``meta.store.MetaStore`` into the async interface the mount
-  codes against (the real ``meta.client.RemoteMeta`` exposes the same method names over RPC).
+* ``kvfs.meta.client.LocalMeta`` turns the synchronous ``kvfs.meta.store.MetaStore`` into the async interface the mount
+  codes against (the real ``kvfs.meta.client.RemoteMeta`` exposes the same method names over RPC).
 * :class:`LocalFileStorage` implements ``kvfs.storage.FileStorage`` over one ``ChunkEngine`` directory:
   chunk ``i`` of a file covers bytes ``[i * chunk_size, (i + 1) * chunk_size)``, one replica, versions
   taken from ``engine.meta()``. The distributed StorageClient replaces it; the mount knows nothing of it.
@@ -26,10 +26,10 @@ from pathlib import Path
 import trio
 from crc32c import crc32c
 
-from chunkserver.engine import ChunkEngine, ChunkId
-from fuse.mount import is_mounted
+from kvfs.chunkserver.engine import ChunkEngine, ChunkId
+from kvfs.fuse.mount import is_mounted
 from kvfs.errors import KvfsError
-from meta.client import LocalMeta
+from kvfs.meta.client import LocalMeta
 
 
 class LocalFileStorage:
@@ -138,9 +138,9 @@ class StorageChunkRemover:
 def build(state_dir: Path, *, chunk_size: int | None = None, **faults: Any):
     """(meta, storage, engine) over STATE_DIR: a MetaStore on SQLite, a ChunkEngine beside it; ``faults`` go to
     :class:`LocalFileStorage`."""
-    from meta.kv import SqliteDatabase
-    from meta.store import MetaStore
-    from meta.types import Layout
+    from kvfs.kv import SqliteDatabase
+    from kvfs.meta.store import MetaStore
+    from kvfs.meta.types import Layout
 
     state_dir.mkdir(parents=True, exist_ok=True)
     engine = ChunkEngine(state_dir / "target", fsync=False)
@@ -156,7 +156,7 @@ def build(state_dir: Path, *, chunk_size: int | None = None, **faults: Any):
 
 
 async def serve(mountpoint: str, state_dir: str, chunk_size: int | None, write_buffer: int, faults: dict) -> None:
-    from fuse.mount import run_mount
+    from kvfs.fuse.mount import run_mount
 
     meta, storage, engine = build(Path(state_dir), chunk_size=chunk_size, **faults)
     try:
@@ -272,7 +272,7 @@ def stop_mount(m: Mount, timeout: float = 15.0) -> int | None:
     """SIGTERM (the daemon flushes and unmounts), then SIGKILL; a mount left behind is lazily removed."""
     import subprocess
 
-    from fuse.mount import force_unmount
+    from kvfs.fuse.mount import force_unmount
 
     rc = None
     if m.proc.poll() is None:

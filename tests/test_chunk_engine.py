@@ -17,8 +17,8 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserver import engine as engine_mod
-from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
+from kvfs.chunkserver import engine as engine_mod
+from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
 from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
 from kvfs.pool import BufferPool, page_aligned

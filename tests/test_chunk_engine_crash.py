@@ -26,7 +26,7 @@ from crc32c import crc32c
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from chunkserver.engine import BLOCK, ChunkEngine, ChunkId, _class_for  # noqa: E402
+from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, _class_for  # noqa: E402
 from harness import tear_unsynced  # noqa: E402
 
 CHUNKS = [ChunkId(3, i) for i in range(4)]

@@ -7,8 +7,8 @@ import pytest
 
 from kvfs.errors import KvfsError
 
-from craq.cluster import ClusterManager, ClusterState, Heartbeat
-from craq.messages import SyncDone, TargetState
+from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
+from kvfs.craq.messages import SyncDone, TargetState
 
 S, Y, W, L, O = (TargetState.SERVING, TargetState.SYNCING, TargetState.WAITING, TargetState.LASTSRV,
                  TargetState.OFFLINE)

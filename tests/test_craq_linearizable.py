@@ -4,7 +4,7 @@ import itertools
 
 from hypothesis import given, settings, strategies as st
 
-from craq.linearizable import Op, check_register
+from kvfs.craq.linearizable import Op, check_register
 
 
 def w(value: bytes, start: float, end: float | None) -> Op:

@@ -10,15 +10,15 @@ from crc32c import crc32c
 
 from kvfs.errors import ProtocolError
 
-from craq.member import (
+from kvfs.craq.member import (
     Abort, AskTail, ChainMember, PersistFailed, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
-from craq.messages import (
+from kvfs.craq.messages import (
     AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, SyncDone, SyncQuery, SyncState, TargetState,
     UpdateAck, UpdateReq, VersionQuery, WireMessage, WriteReq,
 )
-from craq.sim import MemEngine
+from kvfs.craq.sim import MemEngine
 
 CID = ChunkId(7, 0)
 S, Y, O = TargetState.SERVING, TargetState.SYNCING, TargetState.OFFLINE

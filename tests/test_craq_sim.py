@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from craq import sim
-from craq.member import AskTail, ChainMember, ServeVersion
+from kvfs.craq import sim
+from kvfs.craq.member import AskTail, ChainMember, ServeVersion
 
 
 def _seeds() -> list[int]:

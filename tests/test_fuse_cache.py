@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuse.cache import BLOCK, BlockCache
+from kvfs.fuse.cache import BLOCK, BlockCache
 
 INODES = st.integers(1, 3)
 INDEXES = st.integers(0, 5)

@@ -7,8 +7,8 @@ import errno
 
 import pyfuse3
 
-from fuse.coherence import STARTED, UNKNOWN, Coherence
-from meta.types import Change, ChangePage
+from kvfs.fuse.coherence import STARTED, UNKNOWN, Coherence
+from kvfs.meta.types import Change, ChangePage
 
 
 def test_long_timeouts_only_while_live_and_only_for_replies_no_change_overtook():
@@ -66,7 +66,7 @@ def test_security_xattr_answers_are_kept_while_live_and_dropped_by_any_change():
 
 
 def test_only_failures_that_may_have_run_count_as_unknown_outcomes():
-    from fuse.ops import _outcome_unknown
+    from kvfs.fuse.ops import _outcome_unknown
     from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
 
     assert not _outcome_unknown(KvfsError("exists", errno.EEXIST))  # meta refused: nothing changed

@@ -1,11 +1,11 @@
-"""The SQLite engine's write buffer (meta/kv/buffer.py) against a plain dict that applies each write at once."""
+"""The SQLite engine's write buffer (kvfs/kv/buffer.py) against a plain dict that applies each write at once."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meta.kv.buffer import Atomic, WriteBuffer, apply_atomic
+from kvfs.kv.buffer import Atomic, WriteBuffer, apply_atomic
 
 keys = st.binary(min_size=1, max_size=2).map(lambda b: bytes(x % 4 + 97 for x in b))  # few keys: many overlaps
 values = st.binary(max_size=3)

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
-from meta.kv.base import STAMP_BYTES
-from meta.kv import FdbDatabase, SqliteDatabase, Transaction, open_database, transactional
-from meta.kv.fdb_engine import load_fdb
-from meta.kv.keys import decode_int, encode_int, key_after, pack, prefix_range, unpack
+from kvfs.kv.base import STAMP_BYTES
+from kvfs.kv import FdbDatabase, SqliteDatabase, Transaction, open_database, transactional
+from kvfs.kv.fdb_engine import load_fdb
+from kvfs.kv.keys import decode_int, encode_int, key_after, pack, prefix_range, unpack
 
 
 def _fdb_database() -> FdbDatabase:
@@ -367,7 +367,7 @@ _ops = st.lists(
 
 
 def _model_apply(model: dict[int, bytes], op) -> None:
-    from meta.kv.buffer import apply_atomic
+    from kvfs.kv.buffer import apply_atomic
 
     if op[0] == "set":
         model[op[1]] = op[2]

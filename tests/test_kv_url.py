@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from kvfs.errors import KvfsError
-from meta.kv import SqliteDatabase, open_database
+from kvfs.kv import SqliteDatabase, open_database
 
 
 def test_sqlite_url(tmp_path):

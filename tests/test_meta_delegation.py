@@ -10,12 +10,12 @@ import msgspec
 import pytest
 
 from kvfs.errors import KvfsError
-from meta.chunks import MemoryChunkRemover
-from meta.delegation import DelegationHeld
-from meta.feed import ORIGIN
-from meta.fsck import check
-from meta.store import ID_BLOCK, MetaStore, child_attr
-from meta.types import ROOT, Caller, CreateOp, Layout, UnlinkOp
+from kvfs.meta.chunks import MemoryChunkRemover
+from kvfs.meta.delegation import DelegationHeld
+from kvfs.meta.feed import ORIGIN
+from kvfs.meta.fsck import check
+from kvfs.meta.store import ID_BLOCK, MetaStore, child_attr
+from kvfs.meta.types import ROOT, Caller, CreateOp, Layout, UnlinkOp
 
 A = Caller(1000, 1000, client=b"client-a")
 B = Caller(1000, 1000, client=b"client-b")

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvfs.errors import KvfsError
-from meta.chunks import MemoryChunkRemover
-from meta.delegation import DelegationHeld
-from meta.fsck import check
-from meta.kv import SqliteDatabase
-from meta.store import ID_BLOCK, MetaStore
-from meta.types import Caller, CreateOp, UnlinkOp
+from kvfs.meta.chunks import MemoryChunkRemover
+from kvfs.meta.delegation import DelegationHeld
+from kvfs.meta.fsck import check
+from kvfs.kv import SqliteDatabase
+from kvfs.meta.store import ID_BLOCK, MetaStore
+from kvfs.meta.types import Caller, CreateOp, UnlinkOp
 
 HOLDER = Caller(1000, 1000, client=b"holder")
 OTHER = Caller(1000, 1000, client=b"other")

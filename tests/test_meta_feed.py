@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meta import schema
-from meta.feed import ORIGIN
-from meta.kv import SqliteDatabase
-from meta.kv.keys import prefix_range, unpack
-from meta.store import RENAME_EXCHANGE, ROOT_INO, MetaStore
-from meta.types import ROOT, Caller
+from kvfs.meta import schema
+from kvfs.meta.feed import ORIGIN
+from kvfs.kv import SqliteDatabase
+from kvfs.kv.keys import prefix_range, unpack
+from kvfs.meta.store import RENAME_EXCHANGE, ROOT_INO, MetaStore
+from kvfs.meta.types import ROOT, Caller
 
 MOUNT_A = Caller(0, 0, client=b"mount-a")
 

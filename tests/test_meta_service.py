@@ -13,8 +13,8 @@ import trio
 
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient
-from meta.client import RemoteMeta
-from meta.types import ROOT, Caller, CreateOp
+from kvfs.meta.client import RemoteMeta
+from kvfs.meta.types import ROOT, Caller, CreateOp
 
 from harness import TOKEN, free_port, wait_for_port
 
@@ -65,8 +65,8 @@ async def test_two_meta_processes_race_on_the_same_names(meta_addresses, tmp_pat
     """Clients of two ``kvfs meta`` instances on one SQLite file create, rename and unlink the same few names."""
     import random
 
-    from meta.fsck import check
-    from meta.kv import open_database
+    from kvfs.meta.fsck import check
+    from kvfs.kv import open_database
 
     names = [f"n{i}".encode() for i in range(4)]
     counts = {"ok": 0, "refused": 0}
@@ -113,7 +113,7 @@ async def test_two_meta_processes_race_on_the_same_names(meta_addresses, tmp_pat
 async def test_a_retried_non_idempotent_call_runs_once_and_gets_the_first_answer(meta_addresses):
     """The case a crash leaves: the call ran, its answer was lost, the client sends it again (to any
     instance) with the same op id. Without the recorded answer the retry would say EEXIST / ENOENT."""
-    from meta.rpc import OPS
+    from kvfs.meta.rpc import OPS
 
     async with RpcClient(TOKEN) as client:
         first, second = meta_addresses

@@ -9,12 +9,12 @@ import stat
 import pytest
 
 from kvfs.errors import KvfsError
-from meta import store as store_mod
-from meta.chunks import MemoryChunkRemover
-from meta.fsck import check
-from meta.kv.keys import pack
-from meta.placement import chunk_chain, permutation, splitmix64
-from meta.store import (
+from kvfs.meta import store as store_mod
+from kvfs.meta.chunks import MemoryChunkRemover
+from kvfs.meta.fsck import check
+from kvfs.kv.keys import pack
+from kvfs.meta.placement import chunk_chain, permutation, splitmix64
+from kvfs.meta.store import (
     LAYOUT_XATTR,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
@@ -23,7 +23,7 @@ from meta.store import (
     XATTR_REPLACE,
     MetaStore,
 )
-from meta.types import ROOT, Caller, Layout
+from kvfs.meta.types import ROOT, Caller, Layout
 
 ALICE = Caller(1000, 1000)
 BOB = Caller(1001, 1001)
@@ -576,7 +576,7 @@ def test_fsck_reports_damage(ms, db):
 def test_results_cross_the_wire(ms):
     import msgspec
 
-    from meta.types import DirPage, Opened, StatFs
+    from kvfs.meta.types import DirPage, Opened, StatFs
 
     o = ms.create(CAROL, ROOT_INO, b"\xfe", 0o644)
     page = ms.readdir(CAROL, ROOT_INO)
@@ -588,9 +588,9 @@ def test_recorded_answers_expire(tmp_path, monkeypatch):
     """Answers kept for retries go after ANSWER_MINUTES; until then a retry gets the first answer."""
     import time as _time
 
-    from meta import schema, store as store_module
-    from meta.kv import open_database
-    from meta.kv.keys import pack
+    from kvfs.meta import schema, store as store_module
+    from kvfs.kv import open_database
+    from kvfs.kv.keys import pack
 
     s = store_module.MetaStore(open_database(f"sqlite:///{tmp_path / 'm.db'}"))
     s.format()

@@ -10,11 +10,11 @@ import stat
 import time
 
 from kvfs.errors import KvfsError
-from meta.chunks import MemoryChunkRemover
-from meta.fsck import check
-from meta.kv import SqliteDatabase
-from meta.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, MetaStore
-from meta.types import Caller
+from kvfs.meta.chunks import MemoryChunkRemover
+from kvfs.meta.fsck import check
+from kvfs.kv import SqliteDatabase
+from kvfs.meta.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, MetaStore
+from kvfs.meta.types import Caller
 
 ME = Caller(1000, 1000)
 NAMES = [b"n%d" % i for i in range(5)]

@@ -12,15 +12,15 @@ import pytest
 import trio
 from harness import TOKEN, Cluster, tear_unsynced, write_config
 
-from chunkserver import protocol as p
-from chunkserver.client import StorageClient
-from craq.messages import ChunkId, TargetState
-from craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+from kvfs.chunkserver import protocol as p
+from kvfs.chunkserver.client import StorageClient
+from kvfs.craq.messages import ChunkId, TargetState
+from kvfs.craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
 from kvfs.errors import StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs import wire
 from kvfs.wire import Empty, Limits
-from meta.types import Layout
+from kvfs.meta.types import Layout
 
 LAYOUT = Layout(chunk_size=1 << 20, stripe=4, seed=7)
 
@@ -121,7 +121,7 @@ async def test_a_slow_reader_gets_the_version_it_asked_for_while_overwrites_go_o
 
 def replica_contents(workdir, nodes) -> list[dict]:
     """Every committed chunk of every target, read straight from the engines (servers must be stopped)."""
-    from chunkserver.engine import ChunkEngine
+    from kvfs.chunkserver.engine import ChunkEngine
 
     contents = []
     for node in nodes:
@@ -194,8 +194,8 @@ async def test_corrupt_replica_is_served_from_a_peer_and_repaired(cluster, proce
 
 
 async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
-    from meta.client import RemoteMeta
-    from meta.types import ROOT
+    from kvfs.meta.client import RemoteMeta
+    from kvfs.meta.types import ROOT
 
     cluster.start_meta()
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
@@ -311,9 +311,9 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     """The chunk server checks nothing before the engine pins the version: a version that is gone by then
     (a newer one committed while the read waited for a thread) is EAGAIN for the client to retry, never
     ENOENT, and a chunk removed altogether reads as a hole."""
-    from chunkserver.engine import ChunkEngine
-    from chunkserver.engine import ChunkId as EngineChunkId
-    from chunkserver.service import ChunkServer
+    from kvfs.chunkserver.engine import ChunkEngine
+    from kvfs.chunkserver.engine import ChunkId as EngineChunkId
+    from kvfs.chunkserver.service import ChunkServer
     from crc32c import crc32c
     from kvfs.errors import NotCommitted
     from kvfs.rpc import CallContext

@@ -25,7 +25,7 @@ from cluster_fixtures import (
     KVFS, NEEDS_FUSE, REPO, SERVICES, KvfsCluster, chunks_held, is_mounted, process_alive, second_mount, started,
     wait_until,
 )
-from fuse.mount import FUSECTL, fusectl_dir
+from kvfs.fuse.mount import FUSECTL, fusectl_dir
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE

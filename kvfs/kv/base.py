@@ -28,7 +28,7 @@ STAMP_BYTES = 10  # FoundationDB's versionstamp: 8-byte commit version, 2-byte o
 class Transaction(abc.ABC):
     """One optimistic, serializable transaction with read-your-writes.
 
-    Atomic ``add``/``max`` work on 8-byte little-endian integers (see :mod:`meta.kv.keys`), wrap
+    Atomic ``add``/``max`` work on 8-byte little-endian integers (see :mod:`kvfs.kv.keys`), wrap
     modulo 2**64 and compare unsigned, exactly like FoundationDB; they add no read conflict.
     """
 
