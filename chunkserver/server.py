@@ -66,7 +66,7 @@ def serve_chunkserver(
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(
-                    server, listen, http=http, background=(kvfs.chunkserver.run, shm.give_back_idle),
+                    server, listen, http=http, background=(chunkserver.run, shm.give_back_idle),
                     health=lambda: {"ok": chunkserver.registered.is_set(), "targets": sorted(engines)},
                 )
 

@@ -82,7 +82,7 @@ def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkMeta]:
     """What a restarted member resumes from: each chunk's committed and pending versions on disk."""
     chunks = {}
     for meta in engine.list_chunks():
-        committed, pending = engine.versions(kvfs.meta.chunk_id)
+        committed, pending = engine.versions(meta.chunk_id)
         newest = pending or committed
         requests = _requests_codec[1].decode(newest.aux) if newest and newest.aux else {}
         chunks[ChunkId(*meta.chunk_id)] = ChunkMeta(
@@ -530,7 +530,7 @@ class ChunkServer:
         if committed is None:
             raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
         buf, meta = await trio.to_thread.run_sync(lambda: engine.read(cid, 0, p.MAX_CHUNK_SIZE))
-        return p.FetchedChunk(kvfs.meta.version, meta.crc), buf
+        return p.FetchedChunk(meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
         return p.Removed(await trio.to_thread.run_sync(
@@ -545,7 +545,7 @@ class ChunkServer:
         for engine in self.engines.values():
             for meta in engine.list_chunks(req.inode):
                 if meta.chunk_id.index > last.index and meta.length:
-                    last = p.LastChunk(kvfs.meta.chunk_id.index, meta.length)
+                    last = p.LastChunk(meta.chunk_id.index, meta.length)
         return last
 
     async def _on_space(self, req: Empty, data: Any, ctx: CallContext) -> p.Space:

@@ -348,12 +348,12 @@ class ChainMember:
         self._created = itertools.count()  # chunk creation order
         for cid, meta in (chunks or {}).items():
             c = self._chunk(cid)
-            c.committed, c.crc, c.length, c.requests = meta.committed_version, meta.crc, meta.length, dict(kvfs.meta.requests)
+            c.committed, c.crc, c.length, c.requests = meta.committed_version, meta.crc, meta.length, dict(meta.requests)
             if meta.pending_version:
                 # Kept in case this target returns as the last one serving (then it must finish the write);
                 # returning as syncing drops it. Its bytes are only in the engine: re-driven as a full chunk.
                 u = UpdateReq(chain_id, 0, cid, target_id, meta.pending_version, 0, meta.pending_crc, full_replace=True)
-                c.pending = _Pending(u, dict(kvfs.meta.pending_requests), persisted=True, chunk_crc=meta.pending_crc,
+                c.pending = _Pending(u, dict(meta.pending_requests), persisted=True, chunk_crc=meta.pending_crc,
                                      chunk_len=meta.pending_length)
 
     # ----------------------------------------------------------------------------------- public queries

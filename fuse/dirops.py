@@ -38,7 +38,8 @@ import pyfuse3
 import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
-from kvfs.meta.store import ID_BLOCK, NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
+from kvfs.meta.posix import NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
+from kvfs.meta.types import ID_BLOCK
 from kvfs.meta.types import Attr, Caller, CreateOp, Delegated, DirOp, Layout, Opened, UnlinkOp
 
 from .coherence import Coherence, invalidate_attributes

@@ -33,7 +33,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(kvfs.meta.keep_alive)
+                nursery.start_soon(meta.keep_alive)
                 nursery.start_soon(shm.give_back_idle)
                 await run_mount(meta, storage, mountpoint, **options)
                 nursery.cancel_scope.cancel()

@@ -31,7 +31,7 @@ from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
 from kvfs.transport.shm import SHARED
-from kvfs.meta.store import LAYOUT_XATTR
+from kvfs.meta.posix import LAYOUT_XATTR
 from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK

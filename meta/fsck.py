@@ -12,7 +12,7 @@ import msgspec
 from . import schema
 from kvfs.kv import Database, Transaction
 from kvfs.kv.keys import decode_int, prefix_range, unpack
-from .store import ROOT_INO
+from kvfs.meta.posix import ROOT_INO
 from .types import DirEntry, Inode, Session
 
 

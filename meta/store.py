@@ -28,36 +28,25 @@ from typing import Any, Callable
 import msgspec
 
 from kvfs.errors import KvfsError
-
-from . import schema
-from .chunks import ChunkRemover
-from .delegation import BLOCKS_KEPT, DELEGATION_SECONDS, MAX_DELEGATED_NAMES, DelegationHeld
-from .feed import ORIGIN, FeedDatabase, decode_change, stamp_of
 from kvfs.kv import Database, Transaction
 from kvfs.kv.base import STAMP_BYTES
 from kvfs.kv.keys import decode_int, encode_int, key_after, unpack
+from kvfs.meta import schema
+from kvfs.meta.chunks import ChunkRemover
+from kvfs.meta.delegation import BLOCKS_KEPT, DELEGATION_SECONDS, MAX_DELEGATED_NAMES, DelegationHeld
+from kvfs.meta.feed import ORIGIN, FeedDatabase, decode_change, stamp_of
+from kvfs.meta.posix import (
+    LAYOUT_XATTR, LINK_MAX, NAME_MAX, PATH_MAX, R_OK, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, SYMLOOP_MAX,
+    W_OK, X_OK, XATTR_CREATE, XATTR_NAME_MAX, XATTR_REPLACE, XATTR_SIZE_MAX, blocks, check_name, child_attr,
+    errno_error, fsname, is_dir, kill_suid, open_wants, pick_time, require_access, require_owner, require_sticky,
+)
+from kvfs.meta.types import ID_BLOCK, ID_SHARDS
 from .types import (Attr, Caller, Change, ChangePage, CreateOp, Delegated, Delegation, DirEntry, DirOp, DirPage, Entry,
                     Inode, Layout, Opened, Session, StatFs, TimeSpec)
 
-ROOT_INO = 1
-NAME_MAX = 255
-PATH_MAX = 4096
-LINK_MAX = 65000  # ext4's limit
-SYMLOOP_MAX = 40
-XATTR_NAME_MAX = 255
-XATTR_SIZE_MAX = 64 * 1024
-XATTR_CREATE = 1
-XATTR_REPLACE = 2
 _GC_SCAN_FACTOR = 16  # queued inodes gc_once looks at per inode it may collect
-LAYOUT_XATTR = b"kvfs.layout"
 """Virtual xattr (not listed, not stored as one) that shows an inode's layout and sets a directory's."""
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-ID_SHARDS = 16  # fixed forever: together with ID_BLOCK it defines which ids a shard owns
-ID_BLOCK = 1024
 _FIRST_ID = ROOT_INO + 1
-R_OK, W_OK, X_OK = 4, 2, 1
-_KILL_SUID = stat.S_ISUID | stat.S_ISGID
 #: How long an answer to a non-idempotent request is kept for retries of it (clients retry for ~30 s).
 ANSWER_MINUTES = 10
 #: How long change-feed records are kept: a mount cut off from meta for longer drops its caches when it is back.
@@ -82,121 +71,6 @@ _dec_session = msgspec.msgpack.Decoder(Session)
 _dec_delegation = msgspec.msgpack.Decoder(Delegation)
 
 SpaceFn = Callable[[], tuple[int, int]]
-
-
-def _err(code: int, what: str = "") -> KvfsError:
-    text = os.strerror(code)
-    return KvfsError(f"{text}: {what}" if what else text, code)
-
-
-def _fsname(name: bytes | str) -> bytes:
-    return os.fsencode(name) if isinstance(name, str) else bytes(name)
-
-
-def _check_name(name: bytes | str) -> bytes:
-    """A name an entry may be created or removed under."""
-    raw = _fsname(name)
-    if not raw or b"/" in raw or b"\0" in raw or raw in (b".", b".."):
-        raise _err(errno.EINVAL, repr(raw))
-    if len(raw) > NAME_MAX:
-        raise _err(errno.ENAMETOOLONG, repr(raw[:32]))
-    return raw
-
-
-def _blocks(size: int) -> int:
-    return (size + 511) // 512
-
-
-def _is_dir(inode: Inode) -> bool:
-    return stat.S_ISDIR(inode.attr.mode)
-
-
-def _kill_suid(caller: Caller, attr: Attr) -> None:
-    """What a write or truncate by an unprivileged caller does to set-id bits (Linux
-    ``file_remove_privs``): drop setuid, and setgid when group-exec is set."""
-    if caller.uid == 0 or not attr.mode & _KILL_SUID:
-        return
-    attr.mode &= ~stat.S_ISUID
-    if attr.mode & stat.S_IXGRP:
-        attr.mode &= ~stat.S_ISGID
-
-
-def _access(caller: Caller, attr: Attr, want: int) -> None:
-    """Owner/group/other permission bits; root bypasses all but exec on a non-executable file."""
-    if caller.uid == 0:
-        if want & X_OK and not stat.S_ISDIR(attr.mode) and not attr.mode & 0o111:
-            raise _err(errno.EACCES, f"inode {attr.ino} not executable")
-        return
-    if caller.uid == attr.uid:
-        bits = attr.mode >> 6
-    elif caller.in_group(attr.gid):
-        bits = attr.mode >> 3
-    else:
-        bits = attr.mode
-    if want & ~bits & 7:
-        raise _err(errno.EACCES, f"inode {attr.ino}")
-
-
-def _require_owner(caller: Caller, attr: Attr) -> None:
-    if caller.uid not in (0, attr.uid):
-        raise _err(errno.EPERM, f"not the owner of inode {attr.ino}")
-
-
-def _check_sticky(caller: Caller, directory: Inode, victim: Inode) -> None:
-    """In a sticky directory only the file's owner, the directory's owner or root may remove it."""
-    if directory.attr.mode & stat.S_ISVTX and caller.uid not in (0, directory.attr.uid, victim.attr.uid):
-        raise _err(errno.EPERM, "sticky directory")
-
-
-def child_attr(caller: Caller, parent: Attr, layout: Layout, mode: int, ino: int, now: int, *, rdev: int = 0,
-               target: bytes | None = None, seed: int | None = None) -> tuple[Attr, Layout | None]:
-    """A new inode's attributes and layout, made by ``caller`` in a directory with attributes ``parent`` whose
-    children get ``layout``: the caller owns it; the group, and for directories the setgid bit, come from a
-    setgid parent; a regular file gets its own placement ``seed`` (random if None). Meta's creates use it, and so
-    does a client that answers creates in a delegated directory itself (meta/delegation.py), so both agree."""
-    ftype, perm = stat.S_IFMT(mode), mode & 0o7777
-    is_dir = ftype == stat.S_IFDIR
-    gid = caller.gid
-    if parent.mode & stat.S_ISGID:
-        gid = parent.gid
-        if is_dir:
-            perm |= stat.S_ISGID
-    if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
-        perm &= ~stat.S_ISGID
-    blksize = layout.chunk_size
-    own_layout: Layout | None = layout
-    if ftype == stat.S_IFREG:
-        own_layout = msgspec.structs.replace(layout, seed=secrets.randbits(64) if seed is None else seed)
-    elif not is_dir:
-        own_layout = None
-    attr = Attr(ino, ftype | perm, 2 if is_dir else 1, caller.uid, gid, len(target or b""), now, now, now,
-                rdev=rdev, blksize=blksize)
-    return attr, own_layout
-
-
-def check_access(caller: Caller, attr: Attr, want: int) -> bool:
-    """Whether ``caller`` has ``want`` (R_OK|W_OK|X_OK) on ``attr`` by the rules meta enforces."""
-    try:
-        _access(caller, attr, want)
-    except KvfsError:
-        return False
-    return True
-
-
-def sticky_allows(caller: Caller, directory: Attr, victim_uid: int) -> bool:
-    """Whether the sticky bit of ``directory`` lets ``caller`` remove a name owned by ``victim_uid``."""
-    return not directory.mode & stat.S_ISVTX or caller.uid in (0, directory.uid, victim_uid)
-
-
-def _pick_time(value: TimeSpec, now: int, old: int) -> int:
-    if value is None:
-        return old
-    return now if value == "now" else int(value)
-
-
-def _open_wants(flags: int) -> int:
-    acc = flags & os.O_ACCMODE
-    return {os.O_RDONLY: R_OK, os.O_WRONLY: W_OK}.get(acc, R_OK | W_OK)
 
 
 class MetaStore:
@@ -231,27 +105,27 @@ class MetaStore:
     def _inode(self, tr: Transaction, ino: int) -> Inode:
         raw = tr.get(schema.inode(ino))
         if raw is None:
-            raise _err(errno.ENOENT, f"inode {ino}")
+            raise errno_error(errno.ENOENT, f"inode {ino}")
         return _dec_inode.decode(raw)
 
     def _live(self, tr: Transaction, ino: int) -> Inode:
         """An inode that still has a name (unlinked-but-open files cannot gain new users)."""
         inode = self._inode(tr, ino)
         if inode.attr.nlink == 0:
-            raise _err(errno.ENOENT, f"inode {ino} was removed")
+            raise errno_error(errno.ENOENT, f"inode {ino} was removed")
         return inode
 
     def _put(self, tr: Transaction, inode: Inode) -> None:
-        inode.attr.blocks = _blocks(inode.attr.size)
+        inode.attr.blocks = blocks(inode.attr.size)
         tr.set(schema.inode(inode.attr.ino), _enc.encode(inode))
 
     def _dir(self, tr: Transaction, caller: Caller, ino: int, want: int = X_OK) -> Inode:
         """A live directory the caller has ``want`` access to (search by default), not delegated to another client."""
         inode = self._live(tr, ino)
-        if not _is_dir(inode):
-            raise _err(errno.ENOTDIR, f"inode {ino}")
+        if not is_dir(inode):
+            raise errno_error(errno.ENOTDIR, f"inode {ino}")
         self._check_delegation(tr, caller, ino)
-        _access(caller, inode.attr, want)
+        require_access(caller, inode.attr, want)
         return inode
 
     def _check_delegation(self, tr: Transaction, caller: Caller, directory: int) -> None:
@@ -279,7 +153,7 @@ class MetaStore:
     def _child(self, tr: Transaction, parent: int, name: bytes) -> tuple[DirEntry, Inode]:
         entry = self._entry(tr, parent, name)
         if entry is None:
-            raise _err(errno.ENOENT, repr(name))
+            raise errno_error(errno.ENOENT, repr(name))
         return entry, self._inode(tr, entry.ino)
 
     def _link_entry(self, tr: Transaction, parent: int, name: bytes, inode: Inode) -> None:
@@ -301,7 +175,7 @@ class MetaStore:
         does a file that never had a write session (``written``: no chunk server holds any of it) and is not open,
         so that a loop that creates and removes files leaves the collector no work to compete with its next
         creates."""
-        inode.attr.nlink = 0 if _is_dir(inode) else inode.attr.nlink - 1
+        inode.attr.nlink = 0 if is_dir(inode) else inode.attr.nlink - 1
         self._touch(inode, mtime=False)
         if inode.attr.nlink > 0 or (
             stat.S_ISREG(inode.attr.mode) and (inode.written or self._sessions(tr, inode.attr.ino))
@@ -310,7 +184,7 @@ class MetaStore:
             if inode.attr.nlink == 0:
                 tr.set(schema.gc(inode.attr.ino), b"")
             return
-        if _is_dir(inode):
+        if is_dir(inode):
             tr.clear(schema.delegation(inode.attr.ino))  # held by its remover, if by anyone (see _remove)
         self._delete_inode(tr, inode.attr.ino)
 
@@ -402,7 +276,7 @@ class MetaStore:
 
     # ------------------------------------------------------------------ lookups -----------
     def lookup(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
-        return self.db.run(self._lookup, caller, parent, _fsname(name))
+        return self.db.run(self._lookup, caller, parent, fsname(name))
 
     def _lookup(self, tr: Transaction, caller: Caller, parent: int, name: bytes) -> Attr:
         pdir = self._dir(tr, caller, parent)
@@ -411,7 +285,7 @@ class MetaStore:
         if name == b"..":
             return self._inode(tr, pdir.parent).attr
         if len(name) > NAME_MAX:
-            raise _err(errno.ENAMETOOLONG, repr(name[:32]))
+            raise errno_error(errno.ENAMETOOLONG, repr(name[:32]))
         return self._child(tr, parent, name)[1].attr
 
     def getattr(self, caller: Caller, ino: int) -> Attr:
@@ -420,7 +294,7 @@ class MetaStore:
 
     def _getattr(self, tr: Transaction, caller: Caller, ino: int) -> Attr:
         inode = self._inode(tr, ino)
-        if _is_dir(inode):  # its times (and link count) follow changes a delegation's holder may not have sent
+        if is_dir(inode):  # its times (and link count) follow changes a delegation's holder may not have sent
             self._check_delegation(tr, caller, ino)
         return inode.attr
 
@@ -430,7 +304,7 @@ class MetaStore:
         The mount needs this because it mounts without ``default_permissions``: meta is the one judge."""
         attr = self.getattr(caller, ino)
         try:
-            _access(caller, attr, mask & 7)
+            require_access(caller, attr, mask & 7)
         except KvfsError as exc:
             if exc.errno == errno.EACCES:
                 return False
@@ -440,11 +314,11 @@ class MetaStore:
     def resolve(self, caller: Caller, path: bytes | str, *, follow: bool = True) -> Attr:
         """Walk an absolute path from the root with search checks on every directory, following
         symlinks in the middle (and at the end if ``follow``); ELOOP after SYMLOOP_MAX of them."""
-        return self.db.run(self._resolve, caller, _fsname(path), follow)
+        return self.db.run(self._resolve, caller, fsname(path), follow)
 
     def _resolve(self, tr: Transaction, caller: Caller, path: bytes, follow: bool) -> Attr:
         if len(path) > PATH_MAX:
-            raise _err(errno.ENAMETOOLONG, "path")
+            raise errno_error(errno.ENAMETOOLONG, "path")
         parts = [p for p in path.split(b"/") if p]
         cur = self._inode(tr, ROOT_INO)
         hops = 0
@@ -455,7 +329,7 @@ class MetaStore:
             if stat.S_ISLNK(attr.mode) and (parts or follow):
                 hops += 1
                 if hops > SYMLOOP_MAX:
-                    raise _err(errno.ELOOP, repr(path))
+                    raise errno_error(errno.ELOOP, repr(path))
                 target = node.target or b""
                 parts = [p for p in target.split(b"/") if p] + parts
                 if target.startswith(b"/"):
@@ -486,33 +360,33 @@ class MetaStore:
     def _setattr(self, tr: Transaction, caller: Caller, ino: int, mode: int | None, uid: int | None,
                  gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec) -> Attr:
         inode = self._inode(tr, ino)
-        if _is_dir(inode):
+        if is_dir(inode):
             self._check_delegation(tr, caller, ino)
         attr = inode.attr
         now = self._clock()
         if mode is not None:
-            _require_owner(caller, attr)
+            require_owner(caller, attr)
             attr.mode = stat.S_IFMT(attr.mode) | (mode & 0o7777)
             if caller.uid != 0 and not caller.in_group(attr.gid):
                 attr.mode &= ~stat.S_ISGID
         if uid is not None or gid is not None:
             self._chown(caller, attr, uid, gid)
         if size is not None:
-            if _is_dir(inode):
-                raise _err(errno.EISDIR, f"inode {ino}")
+            if is_dir(inode):
+                raise errno_error(errno.EISDIR, f"inode {ino}")
             if not stat.S_ISREG(attr.mode) or size < 0:
-                raise _err(errno.EINVAL, f"size {size} for inode {ino}")
-            _access(caller, attr, W_OK)
+                raise errno_error(errno.EINVAL, f"size {size} for inode {ino}")
+            require_access(caller, attr, W_OK)
             attr.size = size
             attr.mtime_ns = now
-            _kill_suid(caller, attr)
+            kill_suid(caller, attr)
         if atime is not None or mtime is not None:
             if isinstance(atime, int) or isinstance(mtime, int):
-                _require_owner(caller, attr)
+                require_owner(caller, attr)
             elif caller.uid not in (0, attr.uid):
-                _access(caller, attr, W_OK)
-            attr.atime_ns = _pick_time(atime, now, attr.atime_ns)
-            attr.mtime_ns = _pick_time(mtime, now, attr.mtime_ns)
+                require_access(caller, attr, W_OK)
+            attr.atime_ns = pick_time(atime, now, attr.atime_ns)
+            attr.mtime_ns = pick_time(mtime, now, attr.mtime_ns)
         attr.ctime_ns = now
         self._put(tr, inode)
         return attr
@@ -521,9 +395,9 @@ class MetaStore:
     def _chown(caller: Caller, attr: Attr, uid: int | None, gid: int | None) -> None:
         if caller.uid != 0:
             if uid is not None and uid != attr.uid:
-                raise _err(errno.EPERM, "only root may change the owner")
+                raise errno_error(errno.EPERM, "only root may change the owner")
             if gid is not None and gid != attr.gid and (caller.uid != attr.uid or not caller.in_group(gid)):
-                raise _err(errno.EPERM, f"may not change group to {gid}")
+                raise errno_error(errno.EPERM, f"may not change group to {gid}")
         attr.uid = attr.uid if uid is None else uid
         attr.gid = attr.gid if gid is None else gid
         if not stat.S_ISDIR(attr.mode):
@@ -541,11 +415,11 @@ class MetaStore:
         several changes in it and stores it once at the end. ``written``: a write session starts with it."""
         pdir = parent_inode or self._dir(tr, caller, parent)
         if self._entry(tr, parent, name) is not None:
-            raise _err(errno.EEXIST, repr(name))
-        _access(caller, pdir.attr, W_OK | X_OK)
+            raise errno_error(errno.EEXIST, repr(name))
+        require_access(caller, pdir.attr, W_OK | X_OK)
         is_dir = stat.S_ISDIR(mode)
         if is_dir and pdir.attr.nlink >= LINK_MAX:
-            raise _err(errno.EMLINK, f"inode {parent}")
+            raise errno_error(errno.EMLINK, f"inode {parent}")
         attr, layout = child_attr(caller, pdir.attr, pdir.layout or self._root_layout, mode, ino, self._now(),
                                   rdev=rdev, target=target, seed=seed)
         inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target, written=written)
@@ -560,7 +434,7 @@ class MetaStore:
         return inode
 
     def _create_op(self, fn: Callable[..., Any], caller: Caller, parent: int, name: bytes | str, *args: Any) -> Any:
-        return self._write(fn, caller, parent, _check_name(name), self._next_ino(), *args)
+        return self._write(fn, caller, parent, check_name(name), self._next_ino(), *args)
 
     def mkdir(self, caller: Caller, parent: int, name: bytes | str, mode: int) -> Attr:
         return self._create_op(self._mkdir, caller, parent, name, mode)
@@ -576,19 +450,19 @@ class MetaStore:
         ftype = stat.S_IFMT(mode) or stat.S_IFREG
         if ftype in (stat.S_IFCHR, stat.S_IFBLK):
             if caller.uid != 0:
-                raise _err(errno.EPERM, "device nodes need root")
+                raise errno_error(errno.EPERM, "device nodes need root")
         elif ftype in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
             rdev = 0
         else:
-            raise _err(errno.EINVAL, f"mknod type {ftype:o}")
+            raise errno_error(errno.EINVAL, f"mknod type {ftype:o}")
         return self._make(tr, caller, parent, name, ftype | (mode & 0o7777), ino, rdev=rdev).attr
 
     def symlink(self, caller: Caller, parent: int, name: bytes | str, target: bytes | str) -> Attr:
-        raw = _fsname(target)
+        raw = fsname(target)
         if not raw or b"\0" in raw:
-            raise _err(errno.ENOENT if not raw else errno.EINVAL, "symlink target")
+            raise errno_error(errno.ENOENT if not raw else errno.EINVAL, "symlink target")
         if len(raw) >= PATH_MAX:
-            raise _err(errno.ENAMETOOLONG, "symlink target")
+            raise errno_error(errno.ENAMETOOLONG, "symlink target")
         return self._create_op(self._symlink, caller, parent, name, raw)
 
     def _symlink(self, tr: Transaction, caller: Caller, parent: int, name: bytes, ino: int, target: bytes) -> Attr:
@@ -597,7 +471,7 @@ class MetaStore:
     def readlink(self, caller: Caller, ino: int) -> bytes:
         inode = self.db.run(self._inode, ino)
         if inode.target is None:
-            raise _err(errno.EINVAL, f"inode {ino} is not a symlink")
+            raise errno_error(errno.EINVAL, f"inode {ino} is not a symlink")
         return inode.target
 
     def create(self, caller: Caller, parent: int, name: bytes | str, mode: int, flags: int = os.O_RDWR) -> Opened:
@@ -610,27 +484,27 @@ class MetaStore:
         entry = self._entry(tr, parent, name)
         if entry is not None:
             if flags & os.O_EXCL:
-                raise _err(errno.EEXIST, repr(name))
+                raise errno_error(errno.EEXIST, repr(name))
             return self._open(tr, caller, entry.ino, flags & ~os.O_CREAT)
         inode = self._make(tr, caller, parent, name, stat.S_IFREG | (mode & 0o7777), ino,
-                           written=bool(_open_wants(flags) & W_OK))
+                           written=bool(open_wants(flags) & W_OK))
         session = self._start_session(tr, caller, inode, flags)
         return Opened(inode.attr, session, inode.layout, self._inode(tr, parent).attr)
 
     # ------------------------------------------------------------------ links -------------
     def link(self, caller: Caller, ino: int, newparent: int, newname: bytes | str) -> Attr:
-        return self._write(self._link, caller, ino, newparent, _check_name(newname))
+        return self._write(self._link, caller, ino, newparent, check_name(newname))
 
     def _link(self, tr: Transaction, caller: Caller, ino: int, newparent: int, newname: bytes) -> Attr:
         inode = self._live(tr, ino)
-        if _is_dir(inode):
-            raise _err(errno.EPERM, "hard link to a directory")
+        if is_dir(inode):
+            raise errno_error(errno.EPERM, "hard link to a directory")
         if inode.attr.nlink >= LINK_MAX:
-            raise _err(errno.EMLINK, f"inode {ino}")
+            raise errno_error(errno.EMLINK, f"inode {ino}")
         pdir = self._dir(tr, caller, newparent)
         if self._entry(tr, newparent, newname) is not None:
-            raise _err(errno.EEXIST, repr(newname))
-        _access(caller, pdir.attr, W_OK | X_OK)
+            raise errno_error(errno.EEXIST, repr(newname))
+        require_access(caller, pdir.attr, W_OK | X_OK)
         inode.attr.nlink += 1
         self._touch(inode, mtime=False)
         self._touch(pdir)
@@ -641,24 +515,24 @@ class MetaStore:
 
     def unlink(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
         """Remove a non-directory's name; returns the parent directory's new attributes."""
-        return self._write(self._remove, caller, parent, _check_name(name), False)
+        return self._write(self._remove, caller, parent, check_name(name), False)
 
     def rmdir(self, caller: Caller, parent: int, name: bytes | str) -> Attr:
         """Remove an empty directory; returns the parent directory's new attributes."""
-        return self._write(self._remove, caller, parent, _check_name(name), True)
+        return self._write(self._remove, caller, parent, check_name(name), True)
 
     def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool,
                 parent_inode: Inode | None = None) -> Attr:
         pdir = parent_inode or self._dir(tr, caller, parent)  # see _make
         _, inode = self._child(tr, parent, name)
-        _access(caller, pdir.attr, W_OK | X_OK)
-        _check_sticky(caller, pdir, inode)
+        require_access(caller, pdir.attr, W_OK | X_OK)
+        require_sticky(caller, pdir, inode)
         if want_dir:
             self._check_delegation(tr, caller, inode.attr.ino)  # its holder may have made names there
             self._check_empty_dir(tr, inode)
             pdir.attr.nlink -= 1
-        elif _is_dir(inode):
-            raise _err(errno.EISDIR, repr(name))
+        elif is_dir(inode):
+            raise errno_error(errno.EISDIR, repr(name))
         tr.clear(schema.dentry(parent, name))
         self._touch(pdir)
         if parent_inode is None:
@@ -667,40 +541,40 @@ class MetaStore:
         return pdir.attr
 
     def _check_empty_dir(self, tr: Transaction, inode: Inode) -> None:
-        if not _is_dir(inode):
-            raise _err(errno.ENOTDIR, f"inode {inode.attr.ino}")
+        if not is_dir(inode):
+            raise errno_error(errno.ENOTDIR, f"inode {inode.attr.ino}")
         if inode.attr.ino == ROOT_INO:
-            raise _err(errno.EBUSY, "root")
+            raise errno_error(errno.EBUSY, "root")
         if tr.get_range(*schema.dir_range(inode.attr.ino), limit=1):
-            raise _err(errno.ENOTEMPTY, f"inode {inode.attr.ino}")
+            raise errno_error(errno.ENOTEMPTY, f"inode {inode.attr.ino}")
 
     # ------------------------------------------------------------------ rename ------------
     def rename(self, caller: Caller, parent: int, name: bytes | str, newparent: int, newname: bytes | str,
                flags: int = 0) -> None:
         """Atomic rename with Linux's RENAME_NOREPLACE / RENAME_EXCHANGE flags."""
-        self._write(self._rename, caller, parent, _check_name(name), newparent, _check_name(newname), flags)
+        self._write(self._rename, caller, parent, check_name(name), newparent, check_name(newname), flags)
 
     def _rename(self, tr: Transaction, caller: Caller, parent: int, name: bytes, newparent: int,
                 newname: bytes, flags: int) -> None:
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
-            raise _err(errno.EINVAL, f"rename flags {flags}")
+            raise errno_error(errno.EINVAL, f"rename flags {flags}")
         sdir = self._dir(tr, caller, parent)
         ddir = sdir if newparent == parent else self._dir(tr, caller, newparent)
         sentry, src = self._child(tr, parent, name)
         dentry = self._entry(tr, newparent, newname)
         for d in (sdir, ddir):
-            _access(caller, d.attr, W_OK | X_OK)
-        _check_sticky(caller, sdir, src)
+            require_access(caller, d.attr, W_OK | X_OK)
+        require_sticky(caller, sdir, src)
         dst = None
         if dentry is not None:
             if flags & RENAME_NOREPLACE:
-                raise _err(errno.EEXIST, repr(newname))
+                raise errno_error(errno.EEXIST, repr(newname))
             dst = self._inode(tr, dentry.ino)
-            _check_sticky(caller, ddir, dst)
+            require_sticky(caller, ddir, dst)
             if dst.attr.ino == src.attr.ino:
                 return  # two names of one file: POSIX says do nothing
         elif flags & RENAME_EXCHANGE:
-            raise _err(errno.ENOENT, repr(newname))
+            raise errno_error(errno.ENOENT, repr(newname))
 
         if flags & RENAME_EXCHANGE:
             assert dst is not None and dentry is not None
@@ -713,17 +587,17 @@ class MetaStore:
             self._put(tr, dst)
         else:
             if dst is not None:
-                if _is_dir(src):
-                    if _is_dir(dst):
+                if is_dir(src):
+                    if is_dir(dst):
                         self._check_delegation(tr, caller, dst.attr.ino)
                     self._check_empty_dir(tr, dst)
-                elif _is_dir(dst):
-                    raise _err(errno.EISDIR, repr(newname))
+                elif is_dir(dst):
+                    raise errno_error(errno.EISDIR, repr(newname))
             self._check_move(tr, caller, src, sdir, ddir)
             self._move(sdir, ddir, src)
             tr.clear(schema.dentry(parent, name))
             if dst is not None:
-                if _is_dir(dst):
+                if is_dir(dst):
                     ddir.attr.nlink -= 1
                 self._drop_link(tr, dst)
         tr.set(schema.dentry(newparent, newname), _enc.encode(sentry))
@@ -736,22 +610,22 @@ class MetaStore:
     def _check_move(self, tr: Transaction, caller: Caller, node: Inode, old: Inode, new: Inode) -> None:
         """A directory changing parents must not land inside itself (EINVAL), needs write access
         to itself (its ".." changes) and room for one more link in the new parent."""
-        if not _is_dir(node) or old.attr.ino == new.attr.ino:
+        if not is_dir(node) or old.attr.ino == new.attr.ino:
             return
         ino = new.attr.ino
         while True:
             if ino == node.attr.ino:
-                raise _err(errno.EINVAL, "cannot move a directory under itself")
+                raise errno_error(errno.EINVAL, "cannot move a directory under itself")
             if ino == ROOT_INO:
                 break
             ino = self._inode(tr, ino).parent
-        _access(caller, node.attr, W_OK)
+        require_access(caller, node.attr, W_OK)
         if new.attr.nlink >= LINK_MAX:
-            raise _err(errno.EMLINK, f"inode {new.attr.ino}")
+            raise errno_error(errno.EMLINK, f"inode {new.attr.ino}")
 
     @staticmethod
     def _move(old: Inode, new: Inode, node: Inode) -> None:
-        if _is_dir(node):
+        if is_dir(node):
             node.parent = new.attr.ino
             old.attr.nlink -= 1
             new.attr.nlink += 1
@@ -761,7 +635,7 @@ class MetaStore:
         """Up to ``limit`` entries after ``cookie`` (the last name of the previous page; b"" to
         start), with attributes for readdirplus.  Names are in byte order, so paging stays
         correct while the directory changes: no entry twice, none that existed throughout lost."""
-        return self.db.run(self._readdir, caller, ino, _fsname(cookie), max(1, limit))
+        return self.db.run(self._readdir, caller, ino, fsname(cookie), max(1, limit))
 
     def _readdir(self, tr: Transaction, caller: Caller, ino: int, cookie: bytes, limit: int) -> DirPage:
         self._dir(tr, caller, ino, R_OK)
@@ -788,53 +662,53 @@ class MetaStore:
         files and directories carry them), trusted.* is root's, writing security.* needs root,
         system.* (POSIX ACLs) is not supported."""
         if not name or len(name) > XATTR_NAME_MAX:
-            raise _err(errno.ERANGE, "xattr name length")
+            raise errno_error(errno.ERANGE, "xattr name length")
         inode = self._inode(tr, ino)
         space = name.split(b".", 1)[0]
         if space == b"user":
-            if not (stat.S_ISREG(inode.attr.mode) or _is_dir(inode)):
-                raise _err(errno.EPERM, "user xattrs on special files")
-            _access(caller, inode.attr, want)
+            if not (stat.S_ISREG(inode.attr.mode) or is_dir(inode)):
+                raise errno_error(errno.EPERM, "user xattrs on special files")
+            require_access(caller, inode.attr, want)
         elif space == b"trusted" or (space == b"security" and want == W_OK):
             if caller.uid != 0:
-                raise _err(errno.EPERM, repr(name))
+                raise errno_error(errno.EPERM, repr(name))
         elif space != b"security":
-            raise _err(errno.EOPNOTSUPP, repr(name))
+            raise errno_error(errno.EOPNOTSUPP, repr(name))
         return inode
 
     def getxattr(self, caller: Caller, ino: int, name: bytes | str) -> bytes:
-        name = _fsname(name)
+        name = fsname(name)
         if name == LAYOUT_XATTR:
             inode = self.db.run(self._inode, ino)
-            return (inode.layout or self._root_layout).describe(with_seed=not _is_dir(inode))
+            return (inode.layout or self._root_layout).describe(with_seed=not is_dir(inode))
         return self.db.run(self._getxattr, caller, ino, name)
 
     def _getxattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes) -> bytes:
         self._xattr_target(tr, caller, ino, name, R_OK)
         value = tr.get(schema.xattr(ino, name))
         if value is None:
-            raise _err(errno.ENODATA, repr(name))
+            raise errno_error(errno.ENODATA, repr(name))
         return value
 
     def setxattr(self, caller: Caller, ino: int, name: bytes | str, value: bytes, flags: int = 0) -> None:
         if flags & ~(XATTR_CREATE | XATTR_REPLACE) or flags == XATTR_CREATE | XATTR_REPLACE:
-            raise _err(errno.EINVAL, f"xattr flags {flags}")
+            raise errno_error(errno.EINVAL, f"xattr flags {flags}")
         if len(value) > XATTR_SIZE_MAX:
-            raise _err(errno.E2BIG, "xattr value")
-        name = _fsname(name)
+            raise errno_error(errno.E2BIG, "xattr value")
+        name = fsname(name)
         if name == LAYOUT_XATTR:
             try:
                 layout = self.get_layout(caller, ino).changed_by(bytes(value))
             except (ValueError, UnicodeDecodeError) as e:
-                raise _err(errno.EINVAL, f"{LAYOUT_XATTR.decode()}: {e}") from None
+                raise errno_error(errno.EINVAL, f"{LAYOUT_XATTR.decode()}: {e}") from None
             self.set_layout(caller, ino, layout)
             return
         self._write(self._change_xattr, caller, ino, name, bytes(value), flags)
 
     def removexattr(self, caller: Caller, ino: int, name: bytes | str) -> None:
-        name = _fsname(name)
+        name = fsname(name)
         if name == LAYOUT_XATTR:
-            raise _err(errno.EINVAL, f"{LAYOUT_XATTR.decode()} cannot be removed; set the fields to change instead")
+            raise errno_error(errno.EINVAL, f"{LAYOUT_XATTR.decode()} cannot be removed; set the fields to change instead")
         self._write(self._change_xattr, caller, ino, name, None, XATTR_REPLACE)
 
     def _change_xattr(self, tr: Transaction, caller: Caller, ino: int, name: bytes, value: bytes | None, flags: int) -> None:
@@ -842,9 +716,9 @@ class MetaStore:
         key = schema.xattr(ino, name)
         exists = tr.get(key) is not None
         if flags & XATTR_CREATE and exists:
-            raise _err(errno.EEXIST, repr(name))
+            raise errno_error(errno.EEXIST, repr(name))
         if flags & XATTR_REPLACE and not exists:
-            raise _err(errno.ENODATA, repr(name))
+            raise errno_error(errno.ENODATA, repr(name))
         if value is None:
             tr.clear(key)
         else:
@@ -871,16 +745,16 @@ class MetaStore:
         """Set what new children of directory ``ino`` inherit (owner or root only)."""
         cs = layout.chunk_size
         if cs & (cs - 1) or not 64 * 1024 <= cs <= 64 * 1024 * 1024:
-            raise _err(errno.EINVAL, f"chunk_size {cs} is not a power of two from 64 KiB to 64 MiB")
+            raise errno_error(errno.EINVAL, f"chunk_size {cs} is not a power of two from 64 KiB to 64 MiB")
         if layout.stripe < 1 or layout.chain_table < 0:
-            raise _err(errno.EINVAL, f"layout {layout}: stripe must be at least 1")
+            raise errno_error(errno.EINVAL, f"layout {layout}: stripe must be at least 1")
 
         def fn(tr: Transaction) -> None:
             inode = self._inode(tr, ino)
-            if not _is_dir(inode):
-                raise _err(errno.ENOTDIR, f"inode {ino}")
+            if not is_dir(inode):
+                raise errno_error(errno.ENOTDIR, f"inode {ino}")
             self._check_delegation(tr, caller, ino)  # its holder gives new files the layout it has now
-            _require_owner(caller, inode.attr)
+            require_owner(caller, inode.attr)
             inode.layout = layout
             self._touch(inode, mtime=False)
             self._put(tr, inode)
@@ -897,17 +771,17 @@ class MetaStore:
 
     def _open(self, tr: Transaction, caller: Caller, ino: int, flags: int, hold: bool = False) -> Opened:
         inode = self._live(tr, ino)
-        wants = _open_wants(flags)
+        wants = open_wants(flags)
         if flags & os.O_TRUNC:
             wants |= W_OK
-        if _is_dir(inode) and wants & W_OK:
-            raise _err(errno.EISDIR, f"inode {ino}")
+        if is_dir(inode) and wants & W_OK:
+            raise errno_error(errno.EISDIR, f"inode {ino}")
         if stat.S_ISLNK(inode.attr.mode):
-            raise _err(errno.ELOOP, f"inode {ino} is a symlink")
-        _access(caller, inode.attr, wants)
+            raise errno_error(errno.ELOOP, f"inode {ino} is a symlink")
+        require_access(caller, inode.attr, wants)
         if flags & os.O_TRUNC and stat.S_ISREG(inode.attr.mode):
             inode.attr.size = 0
-            _kill_suid(caller, inode.attr)
+            kill_suid(caller, inode.attr)
             self._touch(inode)
             self._put(tr, inode)
         session = self._start_session(tr, caller, inode, flags)
@@ -918,7 +792,7 @@ class MetaStore:
 
     def _start_session(self, tr: Transaction, caller: Caller, inode: Inode, flags: int,
                        sid: int | None = None) -> int | None:
-        if not (_open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
+        if not (open_wants(flags) & W_OK and stat.S_ISREG(inode.attr.mode)):
             return None
         if not inode.written:  # its chunks may exist from now on: the collector must look for them
             inode.written = True
@@ -936,7 +810,7 @@ class MetaStore:
     def _session_inode(self, tr: Transaction, ino: int, session: int) -> Inode:
         raw = tr.get(schema.session(ino, session))
         if raw is None or _dec_session.decode(raw).hold:
-            raise _err(errno.EBADF, f"no write session {session} on inode {ino}")
+            raise errno_error(errno.EBADF, f"no write session {session} on inode {ino}")
         return self._inode(tr, ino)
 
     def report_length(self, caller: Caller, ino: int, session: int, end_offset: int, *,
@@ -948,9 +822,9 @@ class MetaStore:
             attr = inode.attr
             attr.size = max(attr.size, end_offset)
             now = self._clock()
-            attr.mtime_ns = _pick_time(mtime, now, attr.mtime_ns)
+            attr.mtime_ns = pick_time(mtime, now, attr.mtime_ns)
             attr.ctime_ns = now
-            _kill_suid(caller, attr)
+            kill_suid(caller, attr)
             self._put(tr, inode)
             return attr
 
@@ -1000,7 +874,7 @@ class MetaStore:
             return False
         record = _dec_session.decode(raw)
         if record.hold and exact_length is not None:  # a read-only open may not set the length
-            raise _err(errno.EBADF, f"session {session} on inode {inode.attr.ino} is a read-only open's")
+            raise errno_error(errno.EBADF, f"session {session} on inode {inode.attr.ino} is a read-only open's")
         tr.clear(key)
         if record.client:
             tr.clear(schema.owned_session(record.client, inode.attr.ino, session))
@@ -1017,7 +891,7 @@ class MetaStore:
         than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. Needs write and search permission
         on the directory, and a client id."""
         if not caller.client:
-            raise _err(errno.EINVAL, "a delegation needs a client id")
+            raise errno_error(errno.EINVAL, "a delegation needs a client id")
         try:
             return self._write(self._delegate, caller, directory, epoch)
         except DelegationHeld:
@@ -1068,7 +942,7 @@ class MetaStore:
         fails changes nothing. ENOLCK, with nothing applied, when the client no longer holds that grant: it gave it
         back, or it lapsed and another client has used the directory since (which broke it)."""
         if not caller.client:
-            raise _err(errno.EINVAL, "a delegation needs a client id")
+            raise errno_error(errno.EINVAL, "a delegation needs a client id")
         return self._write(self._apply_delegated, caller, directory, epoch, ops)
 
     def _apply_delegated(self, tr: Transaction, caller: Caller, directory: int, epoch: int,
@@ -1078,7 +952,7 @@ class MetaStore:
         held = None if raw is None else _dec_delegation.decode(raw)
         now = self._clock()
         if held is None or held.client != caller.client or held.epoch != epoch:
-            raise _err(errno.ENOLCK, f"the delegation of directory {directory} was given back, or lapsed and "
+            raise errno_error(errno.ENOLCK, f"the delegation of directory {directory} was given back, or lapsed and "
                                      f"another client used the directory since")
         tr.set(key, _enc.encode(Delegation(held.client, epoch, now + self._delegation_ns, held.blocks)))
         pdir = self._live(tr, directory)  # loaded once and stored once for the whole batch
@@ -1089,10 +963,10 @@ class MetaStore:
             try:
                 if isinstance(op, CreateOp):
                     self._delegated_create(tr, who, pdir, held, op)
-                elif (entry := self._entry(tr, directory, _check_name(op.name))) is not None:
+                elif (entry := self._entry(tr, directory, check_name(op.name))) is not None:
                     # (none: removed by an earlier try of this batch)
                     if entry.ino != op.ino:
-                        raise _err(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
+                        raise errno_error(errno.ENOENT, f"{op.name!r} is not inode {op.ino}")
                     self._remove(tr, who, directory, op.name, False, parent_inode=pdir)
                 results.append(0)
             except KvfsError as exc:  # raised before the change wrote anything
@@ -1105,16 +979,16 @@ class MetaStore:
 
     def _delegated_create(self, tr: Transaction, who: Caller, pdir: Inode, held: Delegation, op: CreateOp) -> None:
         if not any(first <= op.ino < first + ID_BLOCK for first in held.blocks):
-            raise _err(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation")
-        name = _check_name(op.name)
+            raise errno_error(errno.EINVAL, f"inode id {op.ino} was not handed to this delegation")
+        name = check_name(op.name)
         raw = tr.get(schema.inode(op.ino))
         if raw is not None:  # made by an earlier try of this batch (and perhaps removed again), or misused
             entry = self._entry(tr, pdir.attr.ino, name)
             if _dec_inode.decode(raw).attr.nlink == 0 or (entry is not None and entry.ino == op.ino):
                 return
-            raise _err(errno.EINVAL, f"inode id {op.ino} is in use")
+            raise errno_error(errno.EINVAL, f"inode id {op.ino} is in use")
         if msgspec.structs.replace(pdir.layout or self._root_layout, seed=op.layout.seed) != op.layout:
-            raise _err(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
+            raise errno_error(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
         inode = self._make(tr, who, pdir.attr.ino, name, stat.S_IFREG | (op.mode & 0o7777), op.ino,
                            seed=op.layout.seed, parent_inode=pdir, written=op.session is not None)
         if op.session is not None:  # None: the holder ended it before sending the create (nothing was written)

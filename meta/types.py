@@ -7,6 +7,10 @@ from typing import Literal
 import msgspec
 
 MIB = 1 << 20
+#: Inode ids are handed out in blocks of ID_BLOCK from ID_SHARDS counters (fixed forever: together they define
+#: which ids a shard owns); a client answering creates in a delegated directory is granted whole blocks.
+ID_SHARDS = 16
+ID_BLOCK = 1024
 
 
 class Caller(msgspec.Struct, frozen=True):

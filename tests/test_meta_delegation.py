@@ -14,7 +14,9 @@ from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.delegation import DelegationHeld
 from kvfs.meta.feed import ORIGIN
 from kvfs.meta.fsck import check
-from kvfs.meta.store import ID_BLOCK, MetaStore, child_attr
+from kvfs.meta.posix import child_attr
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import ID_BLOCK
 from kvfs.meta.types import ROOT, Caller, CreateOp, Layout, UnlinkOp
 
 A = Caller(1000, 1000, client=b"client-a")

@@ -22,7 +22,8 @@ from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.delegation import DelegationHeld
 from kvfs.meta.fsck import check
 from kvfs.kv import SqliteDatabase
-from kvfs.meta.store import ID_BLOCK, MetaStore
+from kvfs.meta.store import MetaStore
+from kvfs.meta.types import ID_BLOCK
 from kvfs.meta.types import Caller, CreateOp, UnlinkOp
 
 HOLDER = Caller(1000, 1000, client=b"holder")

@@ -13,7 +13,8 @@ from kvfs.meta import schema
 from kvfs.meta.feed import ORIGIN
 from kvfs.kv import SqliteDatabase
 from kvfs.kv.keys import prefix_range, unpack
-from kvfs.meta.store import RENAME_EXCHANGE, ROOT_INO, MetaStore
+from kvfs.meta.posix import RENAME_EXCHANGE, ROOT_INO
+from kvfs.meta.store import MetaStore
 from kvfs.meta.types import ROOT, Caller
 
 MOUNT_A = Caller(0, 0, client=b"mount-a")

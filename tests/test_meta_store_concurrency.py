@@ -13,7 +13,8 @@ from kvfs.errors import KvfsError
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
 from kvfs.kv import SqliteDatabase
-from kvfs.meta.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, MetaStore
+from kvfs.meta.posix import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO
+from kvfs.meta.store import MetaStore
 from kvfs.meta.types import Caller
 
 ME = Caller(1000, 1000)
