@@ -21,7 +21,8 @@ from pathlib import Path
 import trio
 
 from kvfs.rpc import RpcClient
-from kvfs.meta.client import LocalMeta, RemoteMeta
+from kvfs.meta.client import RemoteMeta
+from kvfs.meta.local import LocalMeta
 from kvfs.kv import open_database
 from kvfs.meta.store import MetaStore
 from kvfs.meta.types import ROOT

@@ -27,8 +27,8 @@ import trio
 from rpc_bench import plain_pump, plain_server
 
 from kvfs.chunkserver.client import StorageClient
-from kvfs.chunkserver.server import CHUNK_LIMITS
-from kvfs.craq.mgmtd import MgmtdClient
+from kvfs.chunkserver.protocol import CHUNK_LIMITS
+from kvfs.craq.client import MgmtdClient
 from kvfs.config import load_config
 from kvfs.localcluster import LocalCluster
 from kvfs.rpc import RpcClient

@@ -1,7 +1,7 @@
 """The storage client: file byte ranges -> chunks -> chains -> chunk servers.
 
 Shared by the FUSE mount and kvclient (it implements :class:`kvfs.storage.FileStorage`). It owns everything a
-caller should not see: placement (:func:`kvfs.meta.placement.chunk_chain`), routing (refreshed from mgmtd when a
+caller should not see: placement (:func:`kvfs.chunkserver.placement.chunk_chain`), routing (refreshed from mgmtd when a
 server says the caller's chain version is stale), spreading reads over serving replicas, writes to chain heads,
 parallel I/O across chunks with a bounded window, retries across chain changes and failed targets, and
 receiving read data straight into the caller's buffer.
@@ -27,13 +27,13 @@ from crc32c import crc32c
 from kvfs.chunkserver import protocol as p
 from kvfs.craq.cluster import RoutingSnapshot
 from kvfs.craq.messages import ChainConfig, ChunkId, TargetState, WriteReq
-from kvfs.craq.mgmtd import MgmtdClient
+from kvfs.craq.client import MgmtdClient
 from kvfs.aio import one_error
 from kvfs.errors import ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs.storage import Buffer, LayoutLike
 from kvfs.wire import Empty
-from kvfs.meta.placement import chunk_chain
+from kvfs.chunkserver.placement import chunk_chain
 
 log = logging.getLogger("kvfs.storage")
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 import msgspec
 
 from kvfs.craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
-from kvfs.wire import Empty, Method
+from kvfs.wire import Empty, Limits, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
 MAX_CHUNK_SIZE = 64 << 20
 MIN_CHUNK_SIZE = 64 << 10
+
+#: Frame limits of every connection that carries chunks: a chunk write carries up to a whole chunk in its data
+#: section (chunk servers, their clients and peers all use these).
+CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
 
 
 class PeerEnvelope(msgspec.Struct, array_like=True):

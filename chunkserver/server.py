@@ -7,19 +7,15 @@ from pathlib import Path
 
 
 from kvfs.chunkserver.engine import ChunkEngine
+from kvfs.chunkserver.protocol import CHUNK_LIMITS
 from kvfs.chunkserver.service import ChunkServer, target_id_for
-from kvfs.craq.mgmtd import MgmtdClient
+from kvfs.craq.client import MgmtdClient
 from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.pool import RECEIVED
 from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
 from kvfs.transport import shm
-from kvfs.wire import Limits
-
-#: Chunk writes carry up to a whole chunk in their data section.
-CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
-
 
 def serve_chunkserver(
     config: ClusterConfig,

@@ -48,7 +48,7 @@ from kvfs.craq.member import (
     Tick,
 )
 from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
-from kvfs.craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.craq.client import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED

@@ -16,19 +16,23 @@ import errno
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import trio
 
+from kvfs.craq.client import (
+    CHECKSUM_REPORT, CREATE_CHAINS, HEARTBEAT, REGISTER, ROUTING, STATUS, SYNC_DONE, ChainIds, ClusterStatus,
+    CreateChains, NodeStatus, NotPrimary, RegisterNode,
+)
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
 from kvfs.craq.messages import ChecksumReport, SyncDone
-from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
-from kvfs.rpc import CallContext, RpcClient, RpcServer
-from kvfs.wire import Empty, Method
+from kvfs.errors import KvfsError
 from kvfs.kv import Database, Transaction
 from kvfs.kv.keys import pack
+from kvfs.rpc import CallContext, RpcServer
+from kvfs.wire import Empty
 
 log = logging.getLogger("kvfs.mgmtd")
 
@@ -37,55 +41,11 @@ STATE_KEY = pack(("mgmtd", "state"))
 NODE_TARGETS_KEY = pack(("mgmtd", "node_targets"))
 
 
-class NotPrimary(KvfsError):
-    """This mgmtd instance is a standby; ``message`` names the primary when known."""
-
-    default_errno = errno.EAGAIN
-
-
 class Lease(msgspec.Struct, array_like=True):
     holder: str  # instance id
     address: str
     expires: float  # wall clock, seconds
 
-
-class RegisterNode(msgspec.Struct, kw_only=True):
-    node_id: int
-    address: str
-    targets: list[int]
-
-
-class CreateChains(msgspec.Struct, kw_only=True):
-    replicas: int
-
-
-class ChainIds(msgspec.Struct):
-    chain_ids: list[int]
-
-
-class NodeStatus(msgspec.Struct):
-    node_id: int
-    address: str
-    alive: bool
-    seconds_since_heartbeat: float
-    targets: list[int]
-
-
-class ClusterStatus(msgspec.Struct):
-    primary: str
-    nodes: list[NodeStatus]
-    routing: RoutingSnapshot
-    #: syncing target id -> (chunks still to copy, chunks to copy in all; -1 before the count is known)
-    resync: dict[int, tuple[int, int]] = {}
-
-
-REGISTER = Method(200, "mgmtd.register", RegisterNode, Empty)
-HEARTBEAT = Method(201, "mgmtd.heartbeat", Heartbeat, HeartbeatReply, idempotent=True)
-ROUTING = Method(202, "mgmtd.routing", Empty, RoutingSnapshot, idempotent=True)
-CREATE_CHAINS = Method(203, "mgmtd.create_chains", CreateChains, ChainIds)
-SYNC_DONE = Method(204, "mgmtd.sync_done", SyncDone, Empty, idempotent=True)
-CHECKSUM_REPORT = Method(205, "mgmtd.checksum_report", ChecksumReport, Empty, idempotent=True)
-STATUS = Method(206, "mgmtd.status", Empty, ClusterStatus, idempotent=True)
 
 _state_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClusterState))
 _targets_decoder = msgspec.msgpack.Decoder(dict[int, list[int]])
@@ -272,36 +232,3 @@ class MgmtdService:
         routing = self.manager.routing()
         syncing = {t.target_id for c in routing.chains for t in c.targets if t.state.value == "syncing"}
         return ClusterStatus(self.address, nodes, routing, {t: p for t, p in self.resync.items() if t in syncing})
-
-
-class MgmtdClient:
-    """Finds the primary among the configured mgmtd addresses and calls it."""
-
-    def __init__(self, client: RpcClient, addresses: Sequence[str], *, rounds: int = 20) -> None:
-        if not addresses:
-            raise ValueError("no mgmtd address configured")
-        self._client = client
-        self._addresses = list(addresses)
-        self._primary = 0
-        self._rounds = rounds
-
-    async def call(self, method: Method, request: msgspec.Struct, *, timeout: float | None = None) -> Any:
-        error: Exception | None = None
-        for attempt in range(self._rounds * len(self._addresses)):
-            address = self._addresses[self._primary]
-            try:
-                return await self._client.call(address, method, request, timeout=timeout)
-            except (NotPrimary, ServiceUnavailable, ConnectionLost, RpcTimeout) as exc:
-                error = exc
-            except KvfsError as exc:
-                if exc.errno != errno.EAGAIN:
-                    raise
-                error = exc
-            self._primary = (self._primary + 1) % len(self._addresses)
-            if self._primary == 0:
-                await trio.sleep(min(0.1 * (1 + attempt // len(self._addresses)), 1.0))
-        assert error is not None
-        raise ServiceUnavailable(f"no primary mgmtd among {self._addresses}: {error}")
-
-    async def routing(self) -> RoutingSnapshot:
-        return await self.call(ROUTING, Empty())

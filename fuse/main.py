@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 
 from kvfs.chunkserver.client import StorageClient
-from kvfs.chunkserver.server import CHUNK_LIMITS
-from kvfs.craq.mgmtd import MgmtdClient
+from kvfs.chunkserver.protocol import CHUNK_LIMITS
+from kvfs.craq.client import MgmtdClient
 from kvfs.config import ClusterConfig
 from kvfs.errors import KvfsError
 from kvfs.rpc import RpcClient

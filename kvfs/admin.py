@@ -14,7 +14,7 @@ from kvfs.rpc import RpcClient
 
 
 async def cluster_status(config: ClusterConfig) -> Any:
-    from kvfs.craq.mgmtd import STATUS, MgmtdClient
+    from kvfs.craq.client import STATUS, MgmtdClient
     from kvfs.wire import Empty
 
     async with RpcClient(config.resolved_token(), connect_timeout=2, call_timeout=5) as rpc:
@@ -22,7 +22,7 @@ async def cluster_status(config: ClusterConfig) -> Any:
 
 
 async def create_chains(config: ClusterConfig, replicas: int) -> list[int]:
-    from kvfs.craq.mgmtd import CREATE_CHAINS, CreateChains, MgmtdClient
+    from kvfs.craq.client import CREATE_CHAINS, CreateChains, MgmtdClient
 
     async with RpcClient(config.resolved_token(), connect_timeout=2, call_timeout=10) as rpc:
         created = await MgmtdClient(rpc, config.mgmtd, rounds=2).call(CREATE_CHAINS, CreateChains(replicas=replicas))
@@ -53,10 +53,10 @@ async def check_file(config: ClusterConfig, path: str, progress: Any = None) -> 
     """Every chunk of the file at ``path`` (relative to the filesystem root) as each replica holds it."""
     from kvfs.chunkserver import protocol as p
     from kvfs.craq.messages import ChunkId
-    from kvfs.craq.mgmtd import ROUTING, MgmtdClient
+    from kvfs.craq.client import ROUTING, MgmtdClient
     from kvfs.wire import Empty
     from kvfs.meta.client import RemoteMeta
-    from kvfs.meta.placement import chunk_chain
+    from kvfs.chunkserver.placement import chunk_chain
     from kvfs.meta.types import ROOT
 
     if not config.meta:

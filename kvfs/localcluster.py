@@ -218,7 +218,7 @@ class LocalCluster:
     def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any) -> None:
         """Create the chain table on first start, then wait until every target serves."""
         from kvfs.craq.messages import TargetState
-        from kvfs.craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+        from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
         from kvfs.rpc import RpcClient
         from kvfs.wire import Empty
 
@@ -318,7 +318,7 @@ class LocalCluster:
 
     @staticmethod
     async def _mgmtd_status(config: ClusterConfig) -> Any:
-        from kvfs.craq.mgmtd import STATUS, MgmtdClient
+        from kvfs.craq.client import STATUS, MgmtdClient
         from kvfs.rpc import RpcClient
         from kvfs.wire import Empty
 

@@ -1,8 +1,8 @@
-"""Clients of the metadata service with the same async surface: one over RPC, one in-process.
+"""The metadata service's client: every operation of :class:`kvfs.meta.api.MetaApi` as an async method.
 
-Both expose every operation of :class:`kvfs.meta.store.MetaStore` as an async method with the same name and
-arguments (``await meta.lookup(caller, parent, name)``), so the mount and kvclient do not care whether the
-store is across the network or in the same process.
+``await meta.lookup(caller, parent, name)`` calls any of the configured ``kvfs meta`` instances.
+:class:`kvfs.meta.local.LocalMeta` has the same surface over a store in this process (tests, benchmarks), so
+the mount and kvclient do not care which they hold.
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
-from kvfs.meta.delegation import DelegationHeld, retry_while_recalled
-from kvfs.meta.feed import ORIGIN, long_poll
+from kvfs.meta.delegation import retry_while_recalled
 from kvfs.meta.rpc import OPS, WATCH, WatchRequest
-from kvfs.meta.store import MetaStore
 from kvfs.meta.types import Caller, ChangePage
 
 log = logging.getLogger(__name__)
@@ -97,41 +95,3 @@ class RemoteMeta:
                 await trio.sleep(min(0.05 * (1 + attempt // len(self._addresses)), 0.5))
         assert error is not None
         raise error
-
-
-class LocalMeta:
-    """The same surface over a store in this process; operations run in worker threads."""
-
-    def __init__(self, store: MetaStore, *, feed_poll: float = 0.05) -> None:
-        self.store = store
-        self.feed_poll = feed_poll
-
-    async def watch(self, caller: Caller, since: bytes, wait: float, limit: int = 1024) -> ChangePage:
-        """The change feed after ``since``: polled every ``feed_poll`` seconds for up to ``wait``."""
-
-        async def read(cursor: bytes) -> ChangePage:
-            call = functools.partial(self.store.changes, cursor, limit=limit, skip_client=caller.client)
-            return await trio.to_thread.run_sync(call)
-
-        return await long_poll(read, since, wait, lambda left: trio.sleep(min(left, self.feed_poll)))
-
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        if name not in OPS:
-            raise AttributeError(name)
-        fn = getattr(self.store, name)
-
-        async def once(caller: Caller, *args: Any, **kwargs: Any) -> Any:
-            token = ORIGIN.set(caller.client)  # the worker thread runs in a copy of this context
-            try:
-                return await trio.to_thread.run_sync(functools.partial(fn, caller, *args, **kwargs))
-            except DelegationHeld as held:  # as the service does: ask the holder to give it back, then retry
-                await trio.to_thread.run_sync(self.store.answer_held, held)
-                raise
-            finally:
-                ORIGIN.reset(token)
-
-        async def call(caller: Caller, *args: Any, **kwargs: Any) -> Any:
-            return await retry_while_recalled(functools.partial(once, caller, *args, **kwargs))
-
-        call.__name__ = name
-        return call

@@ -1,8 +1,8 @@
-"""The metadata service's wire surface, derived from :class:`kvfs.meta.store.MetaStore` itself.
+"""The metadata service's wire surface, derived from :class:`kvfs.meta.api.MetaApi`.
 
-Each public operation of the store becomes one RPC method whose request struct holds the operation's
-parameters (typed from its annotations) and whose response struct holds its return value. Deriving them keeps
-the store the single place an operation is defined: the service and the client cannot drift from it.
+Each operation of the API becomes one RPC method whose request struct holds the operation's parameters (typed
+from its annotations) and whose response struct holds its return value. Deriving them keeps the API the single
+place an operation's shape is defined: the service and the client cannot drift from it.
 Method ids are positions in :data:`OPERATIONS`, so new operations are appended, never inserted.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvfs.wire import Method
-from kvfs.meta.store import MetaStore
+from kvfs.meta.api import MetaApi
 from kvfs.meta.types import Caller, ChangePage
 
 #: Every operation served over RPC, in method-id order (append only), and whether a blind retry is safe.
@@ -100,7 +100,7 @@ def _wire_type(hint: Any) -> Any:
 
 
 def _derive(name: str, position: int, idempotent: bool) -> Operation:
-    fn = getattr(MetaStore, name)
+    fn = getattr(MetaApi, name)
     signature = inspect.signature(fn)
     hints = typing.get_type_hints(fn)
     params = [p for p in signature.parameters.values()][2:]  # skip self, caller
@@ -119,15 +119,9 @@ def _derive(name: str, position: int, idempotent: bool) -> Operation:
     return Operation(name, method, signature, tuple(p.name for p in params), names)
 
 
-def _available() -> dict[str, Operation]:
-    ops = {}
-    for position, (name, idempotent) in enumerate(OPERATIONS):
-        if hasattr(MetaStore, name):
-            ops[name] = _derive(name, position, idempotent)
-    return ops
-
-
-OPS: dict[str, Operation] = _available()
+OPS: dict[str, Operation] = {
+    name: _derive(name, position, idempotent) for position, (name, idempotent) in enumerate(OPERATIONS)
+}
 
 
 class WatchRequest(msgspec.Struct, kw_only=True):

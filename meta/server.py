@@ -30,7 +30,7 @@ def serve_meta(
             remover = None
             if config.mgmtd:  # chunks of removed files can only be freed where the chunk servers are known
                 from kvfs.chunkserver.client import StorageClient, SyncChunkRemover
-                from kvfs.craq.mgmtd import MgmtdClient
+                from kvfs.craq.client import MgmtdClient
 
                 client = RpcClient(token, connect_timeout=config.timeouts.connect, transport=transport)
                 rpc = await stack.enter_async_context(client)

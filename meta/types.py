@@ -30,7 +30,7 @@ ROOT = Caller(0, 0)
 
 
 class Layout(msgspec.Struct, frozen=True):
-    """Where a file's chunks live: see :func:`kvfs.meta.placement.chunk_chain`.
+    """Where a file's chunks live: see :func:`kvfs.chunkserver.placement.chunk_chain`.
 
     chunk_size is a power of two in [64 KiB, 64 MiB]. The 4 MiB default is measured (README, "Performance"):
     every chunk write costs the chunk servers a chain round and two SQLite commits whatever its size (and two

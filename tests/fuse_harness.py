@@ -29,7 +29,7 @@ from crc32c import crc32c
 from kvfs.chunkserver.engine import ChunkEngine, ChunkId
 from kvfs.fuse.mount import is_mounted
 from kvfs.errors import KvfsError
-from kvfs.meta.client import LocalMeta
+from kvfs.meta.local import LocalMeta
 
 
 class LocalFileStorage:

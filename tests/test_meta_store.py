@@ -13,7 +13,7 @@ from kvfs.meta import store as store_mod
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
 from kvfs.kv.keys import pack
-from kvfs.meta.placement import chunk_chain, permutation, splitmix64
+from kvfs.chunkserver.placement import chunk_chain, permutation, splitmix64
 from kvfs.meta.store import (
     LAYOUT_XATTR,
     RENAME_EXCHANGE,

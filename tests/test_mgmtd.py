@@ -7,7 +7,7 @@ from harness import TOKEN, free_port, wait_for_port, write_config
 
 from kvfs.craq.cluster import Heartbeat
 from kvfs.craq.messages import TargetState
-from kvfs.craq.mgmtd import CREATE_CHAINS, HEARTBEAT, REGISTER, STATUS, CreateChains, MgmtdClient, RegisterNode
+from kvfs.craq.client import CREATE_CHAINS, HEARTBEAT, REGISTER, STATUS, CreateChains, MgmtdClient, RegisterNode
 from kvfs.rpc import RpcClient
 from kvfs.wire import Empty
 

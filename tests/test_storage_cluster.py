@@ -15,7 +15,7 @@ from harness import TOKEN, Cluster, tear_unsynced, write_config
 from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.client import StorageClient
 from kvfs.craq.messages import ChunkId, TargetState
-from kvfs.craq.mgmtd import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
+from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
 from kvfs.errors import StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs import wire

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .types import Layout
+from kvfs.storage import LayoutLike
 
 _M64 = (1 << 64) - 1
 
@@ -39,7 +39,7 @@ def permutation(seed: int, n: int) -> tuple[int, ...]:
     return tuple(perm)
 
 
-def chunk_chain(layout: Layout, ino: int, chunk_index: int, n_chains: int) -> int:
+def chunk_chain(layout: LayoutLike, ino: int, chunk_index: int, n_chains: int) -> int:
     """Index into the layout's chain table of the chain holding chunk ``chunk_index`` of ``ino``."""
     if n_chains <= 0:
         raise ValueError("n_chains must be positive")
