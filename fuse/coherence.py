@@ -37,6 +37,7 @@ import pyfuse3
 import trio
 
 from kvfs.meta.types import Caller, ChangePage
+from kvfs.service import Complaint
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +190,15 @@ class Coherence:
     async def follow(self, meta: Any, caller: Caller) -> None:
         """Follow the feed forever (run it in the mount's nursery)."""
         cursor = b""
+        complaint = Complaint(log, "change feed")
         while True:
             page: ChangePage | None = None
             try:
                 with trio.move_on_after(self.wait + self.grace):
                     page = await meta.watch(caller, cursor, self.wait)
+                complaint.succeeded()
             except OSError as exc:
-                log.warning("change feed: %s", exc)
+                complaint.failed(exc)
             if page is None or page.gap:
                 if self.live or page is not None:
                     log.warning("change feed %s: dropping cached entries and attributes",

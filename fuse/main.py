@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import trio
 
 from kvfs.chunkserver.client import StorageClient
 from kvfs.chunkserver.protocol import CHUNK_LIMITS
-from kvfs.craq.client import MgmtdClient
 from kvfs.config import ClusterConfig
-from kvfs.errors import KvfsError
+from kvfs.craq.client import MgmtdClient
+from kvfs.errors import AuthError, KvfsError
+from kvfs.meta.client import RemoteMeta
+from kvfs.meta.types import Caller
 from kvfs.rpc import RpcClient
 from kvfs.service import setup_logging
 from kvfs.transport import shm
-from kvfs.meta.client import RemoteMeta
 
 from .mount import run_mount
 
@@ -32,6 +35,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
                              shared_memory=config.resolved_shared_memory()) as rpc:
             meta = RemoteMeta(rpc, config.meta)
             storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=timeouts.call)
+            await _check_token(meta)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(meta.keep_alive)
                 nursery.start_soon(shm.give_back_idle)
@@ -40,3 +44,15 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             rpc.close()
 
     trio.run(main)
+
+
+async def _check_token(meta: RemoteMeta) -> None:
+    """Refuse to mount with a token the cluster does not take: a mount that answered every call with EACCES
+    would look healthy to whoever mounted it. Meta unreachable for now is not fatal: the mount retries later."""
+    try:
+        await meta.renew_client(Caller(os.getuid(), os.getgid(), client=meta.client_id))
+    except AuthError as exc:
+        raise KvfsError(f"the cluster refused this config's token ({exc.message}); check token/token_file"
+                        " or KVFS_TOKEN") from None
+    except OSError:
+        pass

@@ -16,6 +16,8 @@ from typing import Any
 import prometheus_client
 import trio
 
+from kvfs.errors import KvfsError
+
 log = logging.getLogger("kvfs.service")
 
 
@@ -25,6 +27,27 @@ def setup_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+class Complaint:
+    """A condition that a loop meets again and again (a peer refusing us, a service unreachable): logged when it
+    starts or changes, and once more when it ends, not at every retry."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._log = logger
+        self._what = what
+        self._last: str | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        text = exc.message if isinstance(exc, KvfsError) else str(exc)
+        if text != self._last:
+            self._log.warning("%s: %s (said once until it changes)", self._what, text)
+            self._last = text
+
+    def succeeded(self) -> None:
+        if self._last is not None:
+            self._log.info("%s: working again", self._what)
+            self._last = None
 
 
 async def _http_connection(stream: trio.SocketStream, health: Callable[[], dict[str, Any]]) -> None:

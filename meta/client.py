@@ -20,6 +20,7 @@ import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
+from kvfs.service import Complaint
 from kvfs.meta.delegation import retry_while_recalled
 from kvfs.meta.rpc import OPS, WATCH, WatchRequest
 from kvfs.meta.types import Caller, ChangePage
@@ -65,11 +66,13 @@ class RemoteMeta:
         than the lease)."""
         caller = Caller(os.getuid(), os.getgid(), client=self.client_id)
         lease = _FIRST_LEASE_GUESS
+        complaint = Complaint(log, "cannot renew the client lease with meta")
         while True:
             try:
                 lease = await self.renew_client(caller)
-            except OSError as exc:  # meta unreachable for now: try again at the next beat
-                log.warning("cannot renew the client lease with meta: %s", exc)
+                complaint.succeeded()
+            except OSError as exc:  # meta unreachable, or refusing our token, for now: try again at the next beat
+                complaint.failed(exc)
             await trio.sleep(lease / 4)
 
     async def _call(self, method: Any, request: Any) -> Any:

@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import (
@@ -373,6 +374,26 @@ def test_a_second_mount_sees_other_clients_changes_at_once_through_the_change_fe
         _soon(lambda: _size(second / "shared") is None and _size(second / "moved") == 15, "the rename")
         (second / "moved").unlink()  # and the other way round
         _soon(lambda: _size(first / "moved") is None, "the first mount to see the unlink")
+
+
+def test_a_mount_with_a_wrong_token_is_refused_with_one_clear_line(cluster, tmp_path):
+    """A config whose token the cluster does not take must not mount (it would answer every call with EACCES):
+    the command fails at once, says why in one line, and leaves nothing mounted."""
+    config = tomllib.loads(cluster.config.read_text())
+    config["token"] = "0" * 64
+    config.pop("token_file", None)
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(tomli_w.dumps(config))
+    target = tmp_path / "mnt"
+    target.mkdir()
+    started_at = time.monotonic()
+    result = cluster.kvfs("mount", "--config", str(wrong), str(target), check=False, timeout=60)
+    assert result.returncode != 0
+    assert time.monotonic() - started_at < 30
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and "token" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not is_mounted(target)
 
 
 def test_absent_names_are_kept_for_long_and_another_clients_new_names_still_show_at_once(cluster, tmp_path):
