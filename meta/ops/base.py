@@ -26,6 +26,7 @@ class OpsBase:
     db: FeedDatabase
     _clock: Callable[[], int]
     _root_layout: Layout
+    _space: Callable[[], tuple[int, int]] | None
     _answers: Answers
     _ids: InodeIds
     _sessions: Sessions
