@@ -24,7 +24,7 @@ directory delegations and CephFS's asynchronous directory operations do. The rul
    logs each one.
 4. **The holder chooses what the answer showed** (inode ids from blocks meta handed to it, times, placement
    seeds, write sessions) and meta applies exactly that, after the same permission checks as ever: both sides
-   build a new file's attributes with ``kvfs.meta.store.child_attr``. Meta accepts only ids from the grant's blocks.
+   build a new file's attributes with ``kvfs.meta.posix.child_attr``. Meta accepts only ids from the grant's blocks.
 
 What stays synchronous: everything but creating regular files and removing names of files the holder itself
 created under the grant (other clients cannot know those inodes except through the directory). A client's other

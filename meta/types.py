@@ -197,7 +197,7 @@ class Delegated(msgspec.Struct):
     """What :meth:`kvfs.meta.store.MetaStore.delegate` answers. ``granted`` False: another client holds the directory,
     the listing is too large, or a renewal came after the delegation had lapsed. A new grant carries the
     directory's attributes, the layout its children get, and every name in it; every grant and renewal carries
-    ``ids``, the first of ``kvfs.meta.store.ID_BLOCK`` fresh inode ids for the holder's creates."""
+    ``ids``, the first of ``kvfs.meta.types.ID_BLOCK`` fresh inode ids for the holder's creates."""
 
     granted: bool
     epoch: int = 0

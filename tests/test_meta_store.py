@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from kvfs.errors import KvfsError
-from kvfs.meta import store as store_mod
+from kvfs.meta.ops import entries as entry_ops
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
 from kvfs.kv.keys import pack
@@ -148,7 +148,7 @@ def test_link_and_emlink(ms, monkeypatch):
     fails(errno.EEXIST, ms.link, ALICE, f.ino, ROOT_INO, b"g")
     d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o755)
     fails(errno.EPERM, ms.link, ALICE, d.ino, ROOT_INO, b"d2")
-    monkeypatch.setattr(store_mod, "LINK_MAX", 3)
+    monkeypatch.setattr(entry_ops, "LINK_MAX", 3)
     ms.link(ALICE, f.ino, ROOT_INO, b"h")
     fails(errno.EMLINK, ms.link, ALICE, f.ino, ROOT_INO, b"i")
     ms.mkdir(ALICE, d.ino, b"sub", 0o755)
