@@ -17,7 +17,8 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfs.chunkserver import engine as engine_mod
+from kvfs.chunkserver import rows as rows_mod
+from kvfs.chunkserver import slots as slots_mod
 from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
 from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
@@ -178,7 +179,7 @@ def test_reopen_keeps_committed_and_pending(tmp_path: Path) -> None:
 
 def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
     """remove_from deletes the rows and frees the slots of every chunk it drops, beyond batch boundaries."""
-    count = engine_mod._SQL_BATCH + 3
+    count = rows_mod.SQL_BATCH + 3
     with ChunkEngine(tmp_path) as e:
         for i in range(count):
             put(e, ChunkId(4, i), 1, 0, b"x")
@@ -358,9 +359,9 @@ def test_held_writes_stay_within_hold_bytes_and_changeable_buffers_are_not_held(
     with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=2 * chunk) as e:
         for i in range(5):
             put(e, ChunkId(9, i), 1, 0, bytes([i + 1]) * chunk)
-        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # the oldest went first
+        assert e._held.bytes == 2 * chunk and held("written") - written == 3 * chunk  # the oldest went first
         put(e, ChunkId(9, 9), 1, 0, bytearray(chunk))  # its owner could change it after the call: written now
-        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
+        assert e._held.bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
         assert [content(e, ChunkId(9, i)) for i in range(5)] == [bytes([i + 1]) * chunk for i in range(5)]
 
 
@@ -611,12 +612,12 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
 def test_direct_length_takes_whole_pages_of_aligned_memory_only() -> None:
     page = mmap.PAGESIZE
     view = _aligned(bytes(3 * page))
-    assert engine_mod._direct_length(view, 0) == 3 * page
-    assert engine_mod._direct_length(view[: 2 * page + 5], page) == 2 * page  # the tail goes through the cache
-    assert engine_mod._direct_length(view, 512) == 0  # unaligned file offset
-    assert engine_mod._direct_length(view[16:], 0) == 0  # unaligned memory
-    assert engine_mod._direct_length(view[: page - 1], 0) == 0  # less than a page
-    assert engine_mod._direct_length(memoryview(bytes(3 * page)), 0) == 0  # read-only
+    assert slots_mod._direct_length(view, 0) == 3 * page
+    assert slots_mod._direct_length(view[: 2 * page + 5], page) == 2 * page  # the tail goes through the cache
+    assert slots_mod._direct_length(view, 512) == 0  # unaligned file offset
+    assert slots_mod._direct_length(view[16:], 0) == 0  # unaligned memory
+    assert slots_mod._direct_length(view[: page - 1], 0) == 0  # less than a page
+    assert slots_mod._direct_length(memoryview(bytes(3 * page)), 0) == 0  # read-only
 
 
 def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
@@ -677,9 +678,9 @@ def test_a_direct_loan_needs_no_room_in_the_buffer_pool(tmp_path: Path, monkeypa
     with ChunkEngine(tmp_path / "t", fsync=False) as e:
         e.write_pending(C, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
         e.commit(C, 1)
-        monkeypatch.setattr(engine_mod, "RECEIVED", BufferPool(capacity=0, allocate=page_aligned))
+        monkeypatch.setattr(slots_mod, "RECEIVED", BufferPool(capacity=0, allocate=page_aligned))
         for off, n in [(0, len(data)), (5, BLOCK), (len(data) - 3, 3)]:
             lent = e.lend(C, off, n, 1)
             assert bytes(lent.data) == data[off : off + n]
         assert e.lend(C, len(data), 10, 1).data.nbytes == 0
-        assert all(f.direct >= 0 for f in e._files.values()) and not _cached(e, C, 0, len(data))
+        assert all(f.direct >= 0 for f in e._slots.files.values()) and not _cached(e, C, 0, len(data))
