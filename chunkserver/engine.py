@@ -124,18 +124,14 @@ from crc32c import crc32c
 from kvfs.chunkserver import rows
 from kvfs.chunkserver.held import HeldWrites
 from kvfs.chunkserver.slots import SlotFiles, enospc
+from kvfs.craq.messages import ChunkId
 from kvfs.crc import BLOCK, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 log = logging.getLogger("kvfs.chunkserver.engine")
 
 
-class ChunkId(NamedTuple):
-    inode: int
-    index: int
-
-
-class ChunkMeta(msgspec.Struct, frozen=True):
+class ChunkVersion(msgspec.Struct, frozen=True):
     """One version of a chunk (``version``, ``length``, ``crc``) and where the chunk stands."""
 
     chunk_id: ChunkId
@@ -367,10 +363,10 @@ class ChunkEngine:
     def _entry(self, cid: ChunkId) -> _Entry | None:
         return self._chunks.get(cid.inode, {}).get(cid.index)
 
-    def _meta(self, cid: ChunkId, v: _Version, entry: _Entry) -> ChunkMeta:
+    def _meta(self, cid: ChunkId, v: _Version, entry: _Entry) -> ChunkVersion:
         committed = entry.committed.version if entry.committed else 0
         pending = entry.pending.version if entry.pending else None
-        return ChunkMeta(cid, v.version, v.length, v.crc, committed, pending)
+        return ChunkVersion(cid, v.version, v.length, v.crc, committed, pending)
 
     # ------------------------------------------------------------------------------ data I/O
 
@@ -488,7 +484,7 @@ class ChunkEngine:
         aux: bytes = b"",
         force: bool = False,
         block_crcs: list[int] | None = None,
-    ) -> ChunkMeta:
+    ) -> ChunkVersion:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
 
         ``aux`` is stored with the version, atomically with it, for the replication layer (see :meth:`versions`).
@@ -517,7 +513,7 @@ class ChunkEngine:
     def _stage(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
-    ) -> ChunkMeta:
+    ) -> ChunkVersion:
         asked_len = new_len
         for last_try in (False, True):
             with self._lock:
@@ -571,7 +567,7 @@ class ChunkEngine:
                 raise enospc(f"disk of target {self.root} is full") from e
             raise
 
-    def _publish_pending(self, cid: ChunkId, v: _Version, force: bool) -> ChunkMeta:
+    def _publish_pending(self, cid: ChunkId, v: _Version, force: bool) -> ChunkVersion:
         with self._db_lock:
             entry = self._entry(cid) or _Entry()
             committed = entry.committed.version if entry.committed else 0
@@ -604,7 +600,7 @@ class ChunkEngine:
                 self._undurable_frees.clear()
         return durable
 
-    def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkMeta:
+    def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkVersion:
         """Make pending ``version`` the committed one (atomic); idempotent once it is committed.
         ``durable=False``: without an fsync of its own; a power loss may leave the version pending (see
         "Crash safety")."""
@@ -701,7 +697,7 @@ class ChunkEngine:
         version: int | None = None,
         into: memoryview | None = None,
         nowait: bool = False,
-    ) -> tuple[bytearray | int, ChunkMeta]:
+    ) -> tuple[bytearray | int, ChunkVersion]:
         """Read up to ``length`` bytes at ``offset`` of the committed version (or the named one),
         verifying the CRC of every block touched. Returns a new bytearray, or the byte count when
         ``into`` is given (filled without an extra copy). Raises ENOENT for a missing chunk or
@@ -776,7 +772,7 @@ class ChunkEngine:
         with self._lock:
             self._unpin(v)
 
-    def _pin_version(self, chunk_id: ChunkId, version: int | None) -> tuple[_Version, ChunkMeta]:
+    def _pin_version(self, chunk_id: ChunkId, version: int | None) -> tuple[_Version, ChunkVersion]:
         """The named version (the committed one if None), pinned: its slot is not reused until unpinned."""
         with self._lock:
             entry = self._entry(chunk_id)
@@ -809,13 +805,13 @@ class ChunkEngine:
                 for v in (entry.committed, entry.pending)
             )
 
-    def meta(self, chunk_id: ChunkId) -> ChunkMeta | None:
+    def meta(self, chunk_id: ChunkId) -> ChunkVersion | None:
         """The committed version (version 0, empty, if only a pending one exists), or None."""
         with self._lock:
             entry = self._entry(chunk_id)
             return None if entry is None else self._meta(chunk_id, entry.committed or _EMPTY, entry)
 
-    def list_chunks(self, inode: int | None = None) -> Iterator[ChunkMeta]:
+    def list_chunks(self, inode: int | None = None) -> Iterator[ChunkVersion]:
         """Metas of all chunks (of one inode), ordered by (inode, index); a snapshot, safe to iterate slowly."""
         with self._lock:
             inodes = [inode] if inode is not None else sorted(self._chunks)
@@ -864,7 +860,7 @@ class ChunkEngine:
                     self._forget_if_empty(cid, entry)
             return len(ids)
 
-    def truncate(self, chunk_id: ChunkId, length: int, version: int) -> ChunkMeta:
+    def truncate(self, chunk_id: ChunkId, length: int, version: int) -> ChunkVersion:
         """Cut or zero-extend the chunk to ``length`` as new committed ``version`` (copy-on-write)."""
         if length < 0:
             raise KvfsError(f"chunk {chunk_id}: negative length {length}", errno.EINVAL)
@@ -873,7 +869,7 @@ class ChunkEngine:
 
     def replace_full(
         self, chunk_id: ChunkId, version: int, data: bytes | bytearray | memoryview, crc: int
-    ) -> ChunkMeta:
+    ) -> ChunkVersion:
         """Install ``data`` as committed ``version`` whatever is there now (resync and repair)."""
         data = memoryview(data).cast("B")
         data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc)

@@ -26,13 +26,12 @@ from crc32c import crc32c
 
 from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.engine import ChunkEngine
-from kvfs.chunkserver.engine import ChunkId as EngineChunkId
 from kvfs.craq.cluster import Heartbeat, RoutingSnapshot
 from kvfs.craq.member import (
     Abort,
     AskTail,
     ChainMember,
-    ChunkMeta,
+    ChunkState,
     Commit,
     Configure,
     Effect,
@@ -74,18 +73,14 @@ def target_id_for(node_id: int, index: int) -> int:
     return node_id * 100 + index
 
 
-def _engine_id(chunk_id: ChunkId) -> EngineChunkId:
-    return EngineChunkId(chunk_id.inode, chunk_id.index)
-
-
-def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkMeta]:
+def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkState]:
     """What a restarted member resumes from: each chunk's committed and pending versions on disk."""
     chunks = {}
     for meta in engine.list_chunks():
         committed, pending = engine.versions(meta.chunk_id)
         newest = pending or committed
         requests = _requests_codec[1].decode(newest.aux) if newest and newest.aux else {}
-        chunks[ChunkId(*meta.chunk_id)] = ChunkMeta(
+        chunks[meta.chunk_id] = ChunkState(
             committed.version if committed else 0,
             committed.crc if committed else 0,
             committed.length if committed else 0,
@@ -305,12 +300,12 @@ class ChunkServer:
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
                     lambda e=effect: self._workers.run(
-                        lambda: engine.commit(_engine_id(e.chunk_id), e.version, durable=False)),
+                        lambda: engine.commit(e.chunk_id, e.version, durable=False)),
                 )
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
-                    lambda e=effect: trio.to_thread.run_sync(engine.abort, _engine_id(e.chunk_id), e.version),
+                    lambda e=effect: trio.to_thread.run_sync(engine.abort, e.chunk_id, e.version),
                 )
             elif isinstance(effect, ReplyClient):
                 waiter = self._waiters.get((effect.msg.client_id, effect.msg.request_id))
@@ -349,7 +344,7 @@ class ChunkServer:
         try:
             meta = await self._workers.run(
                 lambda: engine.write_pending(
-                    _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
+                    e.chunk_id, e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
                     block_crcs=e.block_crcs,
                 )
@@ -363,7 +358,7 @@ class ChunkServer:
     async def _send_whole_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
         try:
             data, _ = await trio.to_thread.run_sync(
-                lambda: engine.read(_engine_id(e.msg.chunk_id), 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
+                lambda: engine.read(e.msg.chunk_id, 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
             )
         except KvfsError as exc:
             log.warning("cannot send chunk %s v%s to %s: %s", e.msg.chunk_id, e.msg.version, e.target, exc.message)
@@ -478,23 +473,22 @@ class ChunkServer:
         into a pooled buffer, or the slot file's mapping), released once the reply is out; small ones are copied
         into a pooled buffer, from the page cache inline, else in a thread. The engine pins the version when it starts reading: if it is gone by then (the read waited for
         a thread while a newer version committed), the chunk was removed (a hole) or moved on (retry)."""
-        cid = _engine_id(chunk_id)
         try:
             if length >= _LEND_FROM:
-                lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
+                lent = await self._readers.run(lambda: engine.lend(chunk_id, offset, length, version))
                 ctx.after_reply(lent.release)
                 return lent.data
             buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
             try:
-                n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
+                n = engine.read(chunk_id, offset, length, version=version, into=buf, nowait=True)[0]
             except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
                 n, _ = await trio.to_thread.run_sync(
-                    lambda: engine.read(cid, offset, length, version=version, into=buf))
+                    lambda: engine.read(chunk_id, offset, length, version=version, into=buf))
             return buf[:n]
         except KvfsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
-            if engine.versions(cid) == (None, None):
+            if engine.versions(chunk_id) == (None, None):
                 return b""  # removed (truncated or garbage-collected): a hole
             raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
 
@@ -515,7 +509,7 @@ class ChunkServer:
                 continue
             engine = self.engines[member.target_id]
             await trio.to_thread.run_sync(
-                lambda: engine.replace_full(_engine_id(chunk_id), fetched.version, data or b"", fetched.crc)
+                lambda: engine.replace_full(chunk_id, fetched.version, data or b"", fetched.crc)
             )
             log.info("target %s chunk %s repaired from target %s", member.target_id, chunk_id, t.target_id)
             return
@@ -525,11 +519,10 @@ class ChunkServer:
         engine = self.engines.get(req.target_id)
         if engine is None:
             raise StaleRouting(f"target {req.target_id} is not on this server")
-        cid = _engine_id(req.chunk_id)
-        committed, _ = engine.versions(cid)
+        committed, _ = engine.versions(req.chunk_id)
         if committed is None:
             raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
-        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(cid, 0, p.MAX_CHUNK_SIZE))
+        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(req.chunk_id, 0, p.MAX_CHUNK_SIZE))
         return p.FetchedChunk(meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
@@ -566,7 +559,7 @@ class ChunkServer:
         engine = self.engines.get(req.target_id)
         if engine is None:
             raise StaleRouting(f"target {req.target_id} is not on this server")
-        committed, pending = engine.versions(_engine_id(req.chunk_id))
+        committed, pending = engine.versions(req.chunk_id)
         if committed is None:
             return p.ChunkStat(0, 0, 0, pending.version if pending else 0)
         return p.ChunkStat(committed.version, committed.length, committed.crc, pending.version if pending else 0)

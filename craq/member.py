@@ -160,7 +160,7 @@ class PersistPending:
     """``engine.write_pending(...)`` in the background, then report :class:`Persisted`.
 
     ``crc`` covers ``data`` (the whole chunk when ``full_replace``); ``requests`` is the idempotency table to
-    store with this version (see :class:`ChunkMeta`). ``force``: a full replace whose version is not newer
+    store with this version (see :class:`ChunkState`). ``force``: a full replace whose version is not newer
     than the committed one (a syncing target overwriting what it held before); it only happens at the end
     of the write chain, where ``Commit`` follows at once, so ``engine.replace_full`` may serve it.
     """
@@ -242,7 +242,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ChunkMeta:
+class ChunkState:
     """What the engine keeps across restarts; a restarted member starts from this.
 
     ``requests``/``pending_requests``: the idempotency table stored with the committed/pending version.
@@ -326,7 +326,7 @@ class ChainMember:
         self,
         target_id: int,
         chain_id: int,
-        chunks: dict[ChunkId, ChunkMeta] | None = None,
+        chunks: dict[ChunkId, ChunkState] | None = None,
         retransmit_after: float = 0.05,
         *,
         retransmit_scan_every: float = 0.0,

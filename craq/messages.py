@@ -13,6 +13,7 @@ machine always sees ``data`` attached; ``crc`` is the CRC32C of ``data`` as comp
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import msgspec
 
@@ -27,8 +28,9 @@ class TargetState(enum.Enum):
     OFFLINE = "offline"  # down
 
 
-class ChunkId(msgspec.Struct, frozen=True, array_like=True, order=True):
-    """A chunk is ``(inode, index)``; the layout, not the KV store, says which chain holds it."""
+class ChunkId(NamedTuple):
+    """A chunk is ``(inode, index)``; the layout, not the KV store, says which chain holds it. A tuple: on the wire
+    an array ``[inode, index]``, ordered and hashable as one, and what the chunk engine keys its chunks by."""
 
     inode: int
     index: int

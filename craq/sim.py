@@ -29,7 +29,7 @@ from kvfs.errors import NotCommitted
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
 from kvfs.craq.linearizable import Op, check_register
 from kvfs.craq.member import (
-    AskTail, ChainMember, ChunkMeta, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
+    AskTail, ChainMember, ChunkState, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
     ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
@@ -72,11 +72,11 @@ class MemEngine:
                 return v.data
         return b"" if version == 0 else None
 
-    def meta(self) -> dict[ChunkId, ChunkMeta]:
+    def meta(self) -> dict[ChunkId, ChunkState]:
         metas = {}
         for cid in self.committed.keys() | self.pending.keys():
             c, p = self.committed.get(cid, _Version(0, b"", {})), self.pending.get(cid)
-            metas[cid] = ChunkMeta(c.version, crc32c(c.data), len(c.data), c.requests, *(
+            metas[cid] = ChunkState(c.version, crc32c(c.data), len(c.data), c.requests, *(
                 (p.version, crc32c(p.data), len(p.data), p.requests) if p else ()))
         return metas
 

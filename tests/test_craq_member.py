@@ -11,7 +11,7 @@ from crc32c import crc32c
 from kvfs.errors import ProtocolError
 
 from kvfs.craq.member import (
-    Abort, AskTail, ChainMember, PersistFailed, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
+    Abort, AskTail, ChainMember, PersistFailed, ChunkState, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
@@ -35,7 +35,7 @@ def write(data: bytes, request_id: int = 1, client_id: int = 9, version: int = 1
 class Chain:
     """Members plus engine models; effects are run by hand so each test controls what is delivered when."""
 
-    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkMeta]] | None = None) -> None:
+    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkState]] | None = None) -> None:
         self.members = {t.target_id: ChainMember(t.target_id, 1, (metas or {}).get(t.target_id)) for t in cfg.targets}
         self.engines = {t: MemEngine() for t in self.members}
         self.replies: list = []
@@ -295,7 +295,7 @@ def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
 
 
 def test_restarted_last_serving_target_finishes_its_pending_write():
-    meta = {CID: ChunkMeta(1, crc32c(b"a"), 1, {9: 1}, pending_version=2, pending_crc=crc32c(b"b"), pending_length=1)}
+    meta = {CID: ChunkState(1, crc32c(b"a"), 1, {9: 1}, pending_version=2, pending_crc=crc32c(b"b"), pending_length=1)}
     member = ChainMember(1, 1, meta)
     assert member.handle(Configure(config(5, (1, S)), 100.0)) == [Commit(CID, 2)]
     assert member.read_decision(CID, 5) == ServeVersion(2)

@@ -312,7 +312,6 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     (a newer one committed while the read waited for a thread) is EAGAIN for the client to retry, never
     ENOENT, and a chunk removed altogether reads as a hole."""
     from kvfs.chunkserver.engine import ChunkEngine
-    from kvfs.chunkserver.engine import ChunkId as EngineChunkId
     from kvfs.chunkserver.service import ChunkServer
     from crc32c import crc32c
     from kvfs.errors import NotCommitted
@@ -323,9 +322,9 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     ctx = CallContext("test", p.READ)
     data = os.urandom(2 << 20)
     for version in (1, 2):
-        engine.write_pending(EngineChunkId(7, 0), version, 0, data, crc32c(data), full_replace=True,
+        engine.write_pending(ChunkId(7, 0), version, 0, data, crc32c(data), full_replace=True,
                              chunk_size=p.MAX_CHUNK_SIZE)
-        engine.commit(EngineChunkId(7, 0), version)
+        engine.commit(ChunkId(7, 0), version)
     chunk = ChunkId(7, 0)
     assert bytes(await server._engine_data(engine, chunk, 0, length, 2, ctx)) == data[:length]
     with pytest.raises(NotCommitted, match="moved past v1"):
