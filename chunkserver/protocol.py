@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvfs.craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.craq.messages import ChunkId, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
 from kvfs.wire import Empty, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
@@ -19,7 +19,7 @@ MIN_CHUNK_SIZE = 64 << 10
 class PeerEnvelope(msgspec.Struct, array_like=True):
     """One replication message between members of a chain; one-way, answered by a later message."""
 
-    msg: UpdateReq | UpdateAck | SyncQuery | SyncState
+    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState
 
 
 class ReadRange(msgspec.Struct, array_like=True):

@@ -46,8 +46,8 @@ from kvfs.craq.member import (
     ServeVersion,
     Tick,
 )
-from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
-from kvfs.craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, ResyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
+from kvfs.craq.mgmtd import CHECKSUM_REPORT, HEARTBEAT, REGISTER, RESYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
@@ -215,7 +215,7 @@ class ChunkServer:
         """Resyncs this server drives: syncing target -> (chunks left, chunks in all); also a Prometheus gauge."""
         progress = {}
         for member in self.members.values():
-            state = member.sync_progress()
+            state = member.resync_progress()
             if state is not None:
                 target, left, total = state
                 progress[target] = (left, total)
@@ -376,8 +376,8 @@ class ChunkServer:
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 
-    async def _report(self, msg: SyncDone | ChecksumReport) -> None:
-        method = SYNC_DONE if isinstance(msg, SyncDone) else CHECKSUM_REPORT
+    async def _report(self, msg: ResyncDone | ChecksumReport) -> None:
+        method = RESYNC_DONE if isinstance(msg, ResyncDone) else CHECKSUM_REPORT
         try:
             await self.mgmtd.call(method, msg)
         except KvfsError as exc:

@@ -23,7 +23,7 @@ import msgspec
 import trio
 
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
-from kvfs.craq.messages import ChecksumReport, SyncDone
+from kvfs.craq.messages import ChecksumReport, ResyncDone
 from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import CallContext, RpcClient, RpcServer
 from kvfs.wire import Empty, Method
@@ -83,7 +83,7 @@ REGISTER = Method(200, "mgmtd.register", RegisterNode, Empty)
 HEARTBEAT = Method(201, "mgmtd.heartbeat", Heartbeat, HeartbeatReply, idempotent=True)
 ROUTING = Method(202, "mgmtd.routing", Empty, RoutingSnapshot, idempotent=True)
 CREATE_CHAINS = Method(203, "mgmtd.create_chains", CreateChains, ChainIds)
-SYNC_DONE = Method(204, "mgmtd.sync_done", SyncDone, Empty, idempotent=True)
+RESYNC_DONE = Method(204, "mgmtd.resync_done", ResyncDone, Empty, idempotent=True)
 CHECKSUM_REPORT = Method(205, "mgmtd.checksum_report", ChecksumReport, Empty, idempotent=True)
 STATUS = Method(206, "mgmtd.status", Empty, ClusterStatus, idempotent=True)
 
@@ -121,7 +121,7 @@ class MgmtdService:
             (HEARTBEAT, self._heartbeat),
             (ROUTING, self._routing),
             (CREATE_CHAINS, self._create_chains),
-            (SYNC_DONE, self._sync_done),
+            (RESYNC_DONE, self._resync_done),
             (CHECKSUM_REPORT, self._checksum_report),
             (STATUS, self._status),
         ):
@@ -248,9 +248,9 @@ class MgmtdService:
         log.info("created chains %s with %d replicas", created, req.replicas)
         return ChainIds(created)
 
-    async def _sync_done(self, msg: SyncDone) -> Empty:
+    async def _resync_done(self, msg: ResyncDone) -> Empty:
         assert self.manager is not None
-        if self.manager.sync_done(msg):
+        if self.manager.resync_done(msg):
             log.info("target %s of chain %s finished syncing", msg.target_id, msg.chain_id)
             await self._persist()
         return Empty()
