@@ -15,9 +15,10 @@ On-disk format (under ``root``)::
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
 
 A version of length L lives in one slot of the smallest class >= max(L, 64 KiB). Slot files are
-preallocated with ``posix_fallocate`` and slots are reused, so a write never creates a file. Table ``versions`` has one row per committed or
-pending version: (inode, idx, pending, version, length, crc, block_crcs, cls, slot). The free
-list is *not* stored: at open every slot not named by a row is free, so a crash can leak nothing.
+preallocated with ``posix_fallocate`` and slots are reused, so a write never creates a file. Table
+``versions`` has one row per committed or pending version: (inode, idx, pending, version, length, crc,
+block_crcs, cls, slot). The free list is *not* stored: at open every slot not named by a row is free, so a
+crash can leak nothing.
 
 Checksums: one CRC32C per 64 KiB block (``BLOCK``), stored as a little array in the row, so a
 range read verifies only the blocks it touches. 64 KiB rather than 4 KiB because the block list
@@ -63,17 +64,17 @@ Durability is unchanged: a direct write may still sit in the disk's cache, and t
 
 Write-back
 ----------
-With ``write_through=False`` nothing is flushed before a write is acknowledged: :meth:`sync` flushes (the
+With ``write_through=False`` nothing is flushed before a write is acknowledged: :meth:`flush` flushes (the
 slot files written since, then one fsync'ed transaction), and callers decide when (a client's fsync, a
-timer, ``close``). A kill -9 still loses nothing. For a power loss, two records keep what a sync covered:
+timer, ``close``). A kill -9 still loses nothing. For a power loss, two records keep what a flush covered:
 table ``unsynced`` lists every version staged since (in the transaction that publishes it), and a commit
-keeps the newest synced committed version as a ``pending = 2`` row, slot included, until the next sync.
+keeps the newest flushed committed version as a ``pending = 2`` row, slot included, until the next flush.
 On open, every listed and every kept version is checked block by block: a torn pending version is dropped,
 a torn committed one gives way to the kept one (and a pending one newer than that goes too), and the
 replication layer resyncs the replica. Slots of rows dropped by a transaction not yet durable stay out of
 use until a durable one; a write that would otherwise grow the slot file makes one (an fsync of the WAL).
-Except the slot of a version no sync has covered (a commit drops one whenever a chunk is written twice between
-syncs): should a power loss undo the drop, the row comes back listed in ``unsynced``, is found torn and gives
+Except the slot of a version no flush has covered (a commit drops one whenever a chunk is written twice between
+flushes): should a power loss undo the drop, the row comes back listed in ``unsynced``, is found torn and gives
 way, and a power loss may take such a version anyway. Its slot is reused at once, which spares a chain's
 sequential writes the WAL fsync that every fifth chunk write or so would need.
 
@@ -81,18 +82,18 @@ Held writes
 -----------
 With write-back and ``hold_bytes``, a write that is a whole new version (a full chunk, the way the mount flushes
 a file written in order) is not written at all at first: the engine keeps the received buffer it arrived in
-until a sync writes it out. If the chunk is written again before that, the new version's commit frees the old
+until a flush writes it out. If the chunk is written again before that, the new version's commit frees the old
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
-sync interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
-copy per sync instead of one per write. Anything that reads a held version's slot (a read, a loan, a partial write's old blocks, a
-short-circuit reader) writes it out first; past ``hold_bytes`` the oldest held versions are written out by the
-writer that went past it.
+flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
+copy per flush instead of one per write. Anything that reads a held version's slot (a read, a loan, a partial
+write's old blocks, a short-circuit reader) writes it out first; past ``hold_bytes`` the oldest held versions are
+written out by the writer that went past it.
 
 What it costs: a kill -9 now loses what the target holds, as a power loss loses unflushed writes in plain
-write-back. The versions were staged (their rows name slots the bytes never reached) and listed as unsynced,
-so the reopened engine finds them torn and falls back to the synced ones, exactly as after a power loss, and the
+write-back. The versions were staged (their rows name slots the bytes never reached) and listed as unflushed,
+so the reopened engine finds them torn and falls back to the flushed ones, exactly as after a power loss, and the
 chain resyncs the replica from its peers, which hold the same versions. Acknowledged writes are lost only if
-every replica's process dies before a sync (or the host loses power), as with any page cache. ``hold_bytes = 0``
+every replica's process dies before a flush (or the host loses power), as with any page cache. ``hold_bytes = 0``
 writes every version at once.
 
 Parts
@@ -172,7 +173,7 @@ class _Version:
     slot: int
     origin: tuple | None = None  # (offset, len, crc, new_len) of the write that made it, for retransmits
     aux: bytes = b""  # the replication layer's record for this version (e.g. its idempotency table)
-    seq: int = 0  # write-back: its number in table unsynced; synced once a sync has covered it (0: synced)
+    seq: int = 0  # write-back: its number in table unsynced; flushed once a flush has covered it (0: flushed)
 
 
 _EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
@@ -216,25 +217,25 @@ class ChunkEngine:
         direct_io: bool = True, hold_bytes: int = 0,
     ) -> None:
         """``fsync=False`` never flushes (tests, scratch space). ``write_through=False`` acknowledges writes
-        from the page cache and makes them durable at :meth:`sync` (see "Write-back" above). ``direct_io=False``
+        from the page cache and makes them durable at :meth:`flush` (see "Write-back" above). ``direct_io=False``
         writes slot data through the page cache too (see "Direct I/O"). ``hold_bytes``: with write-back, up to
-        this many bytes of whole-version writes wait in memory for a sync (see "Held writes")."""
+        this many bytes of whole-version writes wait in memory for a flush (see "Held writes")."""
         self.root = Path(root)
         self._fsync = fsync
         self._write_through = write_through
-        self._write_back = fsync and not write_through  # tracks unsynced versions and keeps superseded ones
+        self._write_back = fsync and not write_through  # tracks unflushed versions and keeps superseded ones
         self._lock = threading.Lock()  # in-memory state; never held across disk I/O except fallocate
         self._db_lock = threading.Lock()  # serialises metadata writers; held across the SQLite commit
         self._chunks: dict[int, dict[int, _Entry]] = {}
         self._pins: Counter[tuple[int, int]] = Counter()
         self._deferred: set[tuple[int, int]] = set()
         self._undurable_frees: list[tuple[int, int]] = []  # slots whose rows' removal is not yet fsync'ed
-        self._superseded: dict[ChunkId, _Version] = {}  # write-back: the last synced committed version, until sync
-        self._last_seq: dict[ChunkId, int] = {}  # write-back: each chunk's newest unsynced staging
-        self._dirty_classes: set[int] = set()  # write-back: slot files written since the last sync
-        self._seq = 0  # the last unsynced staging's number
-        self._covered_upto = 0  # stagings up to this number are covered by the latest sync begun (durable at its end)
-        self._sync_lock = threading.Lock()  # one sync at a time; a caller's sync starts after its call
+        self._superseded: dict[ChunkId, _Version] = {}  # write-back: the last flushed committed version, until flush
+        self._last_seq: dict[ChunkId, int] = {}  # write-back: each chunk's newest unflushed staging
+        self._dirty_classes: set[int] = set()  # write-back: slot files written since the last flush
+        self._seq = 0  # the last unflushed staging's number
+        self._covered_upto = 0  # stagings up to this number are covered by the latest flush begun (durable at its end)
+        self._flush_lock = threading.Lock()  # one flush at a time; a caller's flush starts after its call
         self.root.mkdir(parents=True, exist_ok=True)
         self._lockfd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -256,11 +257,11 @@ class ChunkEngine:
                     os.close(dfd)
 
     def _drop_torn_versions(self) -> None:
-        """After a crash in write-back mode, check every version staged since the last sync: a power loss may
-        have kept its row but not all of its data. A torn committed version gives way to the synced one it
+        """After a crash in write-back mode, check every version staged since the last flush: a power loss may
+        have kept its row but not all of its data. A torn committed version gives way to the flushed one it
         superseded (a torn pending one, or one newer than a restored one, is dropped: the chain resyncs it), so
-        nothing a sync covered is lost. Then everything is synced and no superseded version is needed."""
-        listed = self._rows.unsynced_versions()
+        nothing a flush covered is lost. Then everything is flushed and no superseded version is needed."""
+        listed = self._rows.unflushed_versions()
         if not listed:
             return
         torn: dict[tuple[int, int], dict[int, int]] = {}  # chunk -> {pending state: version} of its torn versions
@@ -277,18 +278,18 @@ class ChunkEngine:
                 if 2 in states:
                     fallback = "its superseded version was torn too: gone from this replica"
                 else:
-                    fallback = "back at the version the last sync made durable, if any"
+                    fallback = "back at the version the last flush made durable, if any"
                     statements.append(rows.move(chunk, 2, 0))
-                log.warning("target %s: chunk %s v%d was torn by a crash before a sync; %s (the chain resyncs the"
+                log.warning("target %s: chunk %s v%d was torn by a crash before a flush; %s (the chain resyncs the"
                             " replica)", self.root, chunk, states[0], fallback)
             elif 1 in states:
                 statements.append(rows.delete(chunk, 1))
-                log.warning("target %s: pending chunk %s v%d was torn by a crash before a sync; dropped it",
+                log.warning("target %s: pending chunk %s v%d was torn by a crash before a flush; dropped it",
                             self.root, chunk, states[1])
         if self._fsync:
             for cls in self._slots.files:  # what was checked came from the page cache: make it what the disk holds
                 self._slots.flush(cls)
-        self._execute(*statements, rows.FORGET_KEPT, rows.FORGET_ALL_UNSYNCED, durable=True)
+        self._execute(*statements, rows.FORGET_KEPT, rows.FORGET_ALL_UNFLUSHED, durable=True)
 
     def _load(self) -> None:
         """Rebuild the index from the rows; every slot no row names is free."""
@@ -304,9 +305,9 @@ class ChunkEngine:
         self._slots.mark_used(used)
 
     def close(self) -> None:
-        """Sync, then release files and the target lock; the engine is unusable afterwards."""
+        """Flush, then release files and the target lock; the engine is unusable afterwards."""
         try:
-            self.sync()
+            self.flush()
         finally:
             self._close_files()
 
@@ -337,7 +338,7 @@ class ChunkEngine:
     def _retire(self, v: _Version, durable: bool) -> None:
         """Free the slot of a version whose row a transaction just dropped. While that transaction may still be
         undone by a power loss, the row may come back, so the slot stays out of use until a durable one; unless
-        no sync has covered the version (write-back): a power loss may take such a version anyway, and recovery
+        no flush has covered the version (write-back): a power loss may take such a version anyway, and recovery
         checks it block by block (table ``unsynced`` lists it), so a row that comes back over reused space is
         found torn and gives way."""
         if durable or (self._write_back and v.seq > self._covered_upto):
@@ -543,10 +544,10 @@ class ChunkEngine:
                     self._pin(old)
                     break
             if full:
-                self.sync()  # also frees the superseded versions' slots
+                self.flush()  # also frees the superseded versions' slots
             else:
                 with self._db_lock:  # an fsync of the WAL alone makes the rows' removal durable
-                    self._execute(rows.COUNT_SYNC, durable=True)
+                    self._execute(rows.COUNT_FLUSH, durable=True)
         try:
             try:
                 blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks)
@@ -576,7 +577,7 @@ class ChunkEngine:
             key = (cid.inode, cid.index)
             statements = [rows.put_pending(key, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux)]
             if self._write_back:
-                statements.append(rows.list_unsynced(self._seq + 1, key, v.version))
+                statements.append(rows.list_unflushed(self._seq + 1, key, v.version))
             durable = self._execute(*statements, durable=self._write_through)
             with self._lock:
                 if self._write_back:
@@ -612,7 +613,7 @@ class ChunkEngine:
                 raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
             key = (chunk_id.inode, chunk_id.index)
             old = entry.committed
-            # Write-back keeps the newest synced committed version until a sync, for a power loss to fall back to.
+            # Write-back keeps the newest flushed committed version until a flush, for a power loss to fall back to.
             keep = self._write_back and old is not None and old.seq <= self._covered_upto
             dropped = self._superseded.get(chunk_id) if keep else old
             statements = [rows.move(key, 1, 0)]
@@ -629,12 +630,12 @@ class ChunkEngine:
                 entry.committed, entry.pending = entry.pending, None
                 return self._meta(chunk_id, entry.committed, entry)
 
-    def sync(self) -> None:
+    def flush(self) -> None:
         """Make every version staged, committed or removed before this call durable (a client's fsync, a periodic
         flush, close). Cheap when nothing changed; without write-back only the chain's lazy commits need it."""
         if not self._fsync:
             return
-        with self._sync_lock:
+        with self._flush_lock:
             with self._db_lock, self._lock:
                 if not (self._dirty_classes or self._rows.dirty or self._superseded):
                     return
@@ -649,12 +650,12 @@ class ChunkEngine:
                 for cls in sorted(classes):
                     self._slots.flush(cls)
                 with self._db_lock:
-                    with self._lock:  # chunks staged after the snapshot keep their fallback until the next sync
+                    with self._lock:  # chunks staged after the snapshot keep their fallback until the next flush
                         released = [(cid, v) for cid, v in self._superseded.items()
                                     if self._last_seq.get(cid, 0) <= upto]
                     self._execute(
-                        rows.forget_unsynced(upto),
-                        rows.COUNT_SYNC,
+                        rows.forget_flushed(upto),
+                        rows.COUNT_FLUSH,
                         *(rows.delete((c.inode, c.index), 2) for c, _ in released),
                         durable=True,
                     )
@@ -664,7 +665,7 @@ class ChunkEngine:
                             self._free(v.cls, v.slot)
                         self._last_seq = {cid: seq for cid, seq in self._last_seq.items() if seq > upto}
             except OSError:
-                with self._lock:  # still not durable: the next sync tries again (its rows stay listed meanwhile)
+                with self._lock:  # still not durable: the next flush tries again (its rows stay listed meanwhile)
                     self._dirty_classes |= classes
                     self._covered_upto = covered_before
                 raise

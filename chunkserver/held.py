@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import prometheus_client
 
 HELD_BYTES = prometheus_client.Counter(
-    "kvfs_chunk_held_bytes", "Bytes of whole-chunk writes held in memory for a sync, by what became of them: "
-    "written (by a sync, a read, or to stay within hold_bytes) or dropped (superseded or removed first)", ["fate"])
+    "kvfs_chunk_held_bytes", "Bytes of whole-chunk writes held in memory for a flush, by what became of them: "
+    "written (by a flush, a read, or to stay within hold_bytes) or dropped (superseded or removed first)", ["fate"])
 HELD_NOW = prometheus_client.Gauge("kvfs_chunk_held_bytes_now", "Bytes of chunk writes held in memory now")
 
 Slot = tuple[int, int]  # (size class, slot)

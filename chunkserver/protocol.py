@@ -101,7 +101,7 @@ class ChunkStat(msgspec.Struct, array_like=True):
     pending_version: int = 0
 
 
-class SyncTargets(msgspec.Struct, array_like=True):
+class FlushTargets(msgspec.Struct, array_like=True):
     """Make everything these targets acknowledged so far durable (a client's fsync): chunk servers acknowledge
     writes from the page cache unless ``write_through`` is set."""
 
@@ -124,4 +124,4 @@ LAST_CHUNK = Method(306, "chunk.last_chunk", LastChunkQuery, LastChunk, idempote
 SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
 CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)
 REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempotent=True)
-SYNC = Method(310, "chunk.sync", SyncTargets, Empty, idempotent=True)
+FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)

@@ -1,7 +1,8 @@
 """The row store of one storage target: ``chunks.sqlite``, which names every version's slot (see the engine).
 
-Tables: ``target`` (format, block size, a flush counter), ``versions`` (one row per committed, pending or kept
-version: ``pending`` is 0, 1 or 2) and ``unsynced`` (with write-back, every version staged since the last flush).
+Tables: ``target`` (format, block size, a flush counter under the key ``syncs``), ``versions`` (one row per
+committed, pending or kept version: ``pending`` is 0, 1 or 2) and ``unsynced`` (with write-back, the unflushed
+versions: every one staged since the last flush). The on-disk names predate the word "flush" and stay.
 The engine builds a transaction from the statements below and runs it with :meth:`RowStore.execute`; this
 module holds all of the SQL and none of the engine's state.
 """
@@ -23,7 +24,7 @@ Statement = tuple[str, tuple]
 Key = tuple[int, int]  # (inode, idx) of a chunk's rows
 
 #: A statement that always changes a page, so a durable transaction with it fsyncs the WAL even when idle.
-COUNT_SYNC: Statement = ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ())
+COUNT_FLUSH: Statement = ("UPDATE target SET value = value + 1 WHERE key = 'syncs'", ())
 
 
 def put_pending(key: Key, version: int, length: int, crc: int, blocks: bytes, cls: int, slot: int,
@@ -33,18 +34,18 @@ def put_pending(key: Key, version: int, length: int, crc: int, blocks: bytes, cl
             (*key, version, length, crc, blocks, cls, slot, aux))
 
 
-def list_unsynced(seq: int, key: Key, version: int) -> Statement:
+def list_unflushed(seq: int, key: Key, version: int) -> Statement:
     return ("INSERT INTO unsynced VALUES (?, ?, ?, ?)", (seq, *key, version))
 
 
-def forget_unsynced(upto: int) -> Statement:
+def forget_flushed(upto: int) -> Statement:
     """A flush covered the stagings up to ``upto``."""
     return ("DELETE FROM unsynced WHERE seq <= ?", (upto,))
 
 
 #: After recovery from a crash: no version is kept or listed as unsynced any more.
 FORGET_KEPT: Statement = ("DELETE FROM versions WHERE pending=2", ())
-FORGET_ALL_UNSYNCED: Statement = ("DELETE FROM unsynced", ())
+FORGET_ALL_UNFLUSHED: Statement = ("DELETE FROM unsynced", ())
 
 
 def delete_current(key: Key) -> Statement:
@@ -108,8 +109,8 @@ class RowStore:
         return self._db.execute(
             "SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux FROM versions")
 
-    def unsynced_versions(self) -> list[tuple]:
-        """After a crash in write-back mode: the versions listed as unsynced and the kept ones, as (inode, idx,
+    def unflushed_versions(self) -> list[tuple]:
+        """After a crash in write-back mode: the versions listed as unflushed and the kept ones, as (inode, idx,
         pending, version, length, crc, block_crcs, cls, slot); [] after a clean close."""
         leftovers = "SELECT 1 FROM unsynced UNION ALL SELECT 1 FROM versions WHERE pending=2"
         if self._db.execute(leftovers).fetchone() is None:

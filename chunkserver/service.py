@@ -59,7 +59,7 @@ log = logging.getLogger("kvfs.chunkserver")
 RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
 )
-SYNC_SECONDS = prometheus_client.Histogram(
+FLUSH_SECONDS = prometheus_client.Histogram(
     "kvfs_chunk_sync_seconds", "Time to make a target's acknowledged writes durable", ["reason"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
@@ -113,12 +113,12 @@ class ChunkServer:
         heartbeat_interval: float = 1.0,
         tick_interval: float = 0.02,
         retransmit_after: float = 1.0,
-        sync_interval: float = 5.0,
+        flush_interval: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``retransmit_after``: how long a member waits for an ack before sending an update again. TCP does
         not lose messages on a live connection, so this only covers broken connections and chain changes;
-        too short a wait re-sends whole chunks that are merely slow to persist. ``sync_interval``: how often
+        too short a wait re-sends whole chunks that are merely slow to persist. ``flush_interval``: how often
         write-back targets flush what no client's fsync did (0: only on fsync and at shutdown)."""
         self.node_id = node_id
         self.address = address
@@ -128,7 +128,7 @@ class ChunkServer:
         self.heartbeat_interval = heartbeat_interval
         self.tick_interval = tick_interval
         self.retransmit_after = retransmit_after
-        self.sync_interval = sync_interval
+        self.flush_interval = flush_interval
         self.clock = clock
         self.incarnation = time.time_ns()
         self.members: dict[int, ChainMember] = {}  # target id -> member, once routing places the target
@@ -139,7 +139,7 @@ class ChunkServer:
         self._nursery: trio.Nursery | None = None
         self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
         self._readers = Workers("chunk-read")  # large reads, which must not queue behind writes' fsyncs
-        self._syncers = Workers("chunk-sync")  # flushes, which take long and must not hold up writes
+        self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
 
     def register_handlers(self, server: RpcServer) -> None:
@@ -152,7 +152,7 @@ class ChunkServer:
             (p.LAST_CHUNK, self._on_last_chunk),
             (p.SPACE, self._on_space),
             (p.CHUNK_STAT, self._on_chunk_stat),
-            (p.SYNC, self._on_sync),
+            (p.FLUSH, self._on_flush),
         ):
             server.register(method, handler)
         # In the connection's reader task, not a task each (two per write and replica): they never wait, they
@@ -167,26 +167,26 @@ class ChunkServer:
             await self._register()
             nursery.start_soon(self._heartbeat_loop)
             nursery.start_soon(self._tick_loop)
-            if self.sync_interval > 0:
-                nursery.start_soon(self._sync_loop)
+            if self.flush_interval > 0:
+                nursery.start_soon(self._flush_loop)
 
-    async def _sync_loop(self) -> None:
+    async def _flush_loop(self) -> None:
         """Bound what a power loss can take from write-back targets, and the space their superseded versions hold."""
         while True:
-            await trio.sleep(self.sync_interval)
+            await trio.sleep(self.flush_interval)
             try:
-                await self._sync(list(self.engines.values()), "interval")
+                await self._flush(list(self.engines.values()), "interval")
             except OSError as exc:
-                log.error("periodic sync failed: %s", exc)
+                log.error("periodic flush failed: %s", exc)
 
-    async def _sync(self, engines: list[ChunkEngine], reason: str) -> None:
+    async def _flush(self, engines: list[ChunkEngine], reason: str) -> None:
         async with one_error(), trio.open_nursery() as nursery:
             for engine in engines:
-                nursery.start_soon(self._sync_one, engine, reason)
+                nursery.start_soon(self._flush_one, engine, reason)
 
-    async def _sync_one(self, engine: ChunkEngine, reason: str) -> None:
-        with SYNC_SECONDS.labels(reason).time():
-            await self._syncers.run(engine.sync)
+    async def _flush_one(self, engine: ChunkEngine, reason: str) -> None:
+        with FLUSH_SECONDS.labels(reason).time():
+            await self._flushers.run(engine.flush)
 
     # ------------------------------------------------------------------------------ mgmtd and routing
 
@@ -548,11 +548,11 @@ class ChunkServer:
             capacity, used, free = capacity + c, used + u, free + f
         return p.Space(capacity, used, free)
 
-    async def _on_sync(self, req: p.SyncTargets, data: Any, ctx: CallContext) -> Empty:
+    async def _on_flush(self, req: p.FlushTargets, data: Any, ctx: CallContext) -> Empty:
         unknown = set(req.target_ids) - set(self.engines)
         if unknown:
             raise StaleRouting(f"targets {sorted(unknown)} are not on this server")
-        await self._sync([self.engines[t] for t in req.target_ids], "client")
+        await self._flush([self.engines[t] for t in req.target_ids], "client")
         return Empty()
 
     async def _on_chunk_stat(self, req: p.ChunkStatQuery, data: Any, ctx: CallContext) -> p.ChunkStat:

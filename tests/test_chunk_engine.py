@@ -224,13 +224,13 @@ def test_write_back_keeps_the_synced_version_until_the_next_sync(tmp_path: Path)
     root = tmp_path / "t"
     with ChunkEngine(root, write_through=False) as e:
         put(e, C, 1, 0, b"a" * 100)
-        e.sync()
+        e.flush()
         assert unsynced(root) == [] and e.space()[1] == 1 << 16
         put(e, C, 2, 0, b"b" * 100)
         put(e, C, 3, 0, b"c" * 100)
         assert unsynced(root) == [(C.inode, C.index, 2), (C.inode, C.index, 3)]
         assert e.space()[1] == 2 << 16  # v1 (the fallback) and v3: v2, never synced, gave its slot back at once
-        e.sync()
+        e.flush()
         assert unsynced(root) == [] and e.space()[1] == 1 << 16 and content(e, C) == b"c" * 100
         put(e, C, 4, 0, b"d" * 100)
     assert unsynced(root) == []  # close syncs
@@ -243,7 +243,7 @@ def test_write_back_falls_back_to_the_synced_version_when_a_crash_tore_a_newer_o
     e = ChunkEngine(root, write_through=False)
     put(e, C, 1, 0, b"a" * 100)
     put(e, ChunkId(8, 0), 1, 0, b"x" * 100)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * 100)
     e.write_pending(C, 3, 0, b"c" * 100, crc32c(b"c" * 100), chunk_size=CS)
     path, offset, _, _ = e.local_location(C)
@@ -265,7 +265,7 @@ def test_write_back_reuses_an_unsynced_version_s_slot_at_once_and_a_power_loss_u
     root, d = tmp_path / "t", ChunkId(8, 0)
     e = ChunkEngine(root, write_through=False)
     put(e, C, 1, 0, b"a" * 100)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * 100)
     slot_of_v2 = e.local_location(C)[1]
     db_files = {p.name: p.read_bytes() for p in root.glob("chunks.sqlite*")}  # what a power loss could leave
@@ -286,7 +286,7 @@ def test_write_back_frees_an_aborted_unsynced_version_s_slot_at_once_and_keeps_t
         tmp_path: Path) -> None:
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
         put(e, C, 1, 0, b"a" * 100)
-        e.sync()
+        e.flush()
         e.write_pending(C, 2, 0, b"b" * 100, crc32c(b"b" * 100), chunk_size=CS)
         assert e.space()[1] == 2 << 16
         e.abort(C, 2)  # v2 was never synced: its slot is free before any durable transaction
@@ -296,7 +296,7 @@ def test_write_back_frees_an_aborted_unsynced_version_s_slot_at_once_and_keeps_t
         assert e.space()[1] == 2 << 16
         e.remove_files([C.inode])  # v4 goes at once; v1, which a sync covered, waits for a durable transaction
         assert e.space()[1] == 1 << 16
-        e.sync()
+        e.flush()
         assert e.space()[1] == 0
 
 
@@ -326,7 +326,7 @@ def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Pat
             e.read(C, 0, CS, nowait=True)
         assert content(e, C) == bytes([5]) * chunk and held("written") - written == chunk
         put(e, C, 6, 0, bytes([6]) * chunk)
-        e.sync()
+        e.flush()
         assert held("written") - written == 2 * chunk and unsynced(root) == []
         put(e, ChunkId(8, 0), 1, 0, bytes(chunk))
         put(e, ChunkId(8, 0), 2, 0, b"partial")  # a partial write reads the held version it changes
@@ -343,7 +343,7 @@ def test_a_crash_loses_held_writes_back_to_the_synced_version(tmp_path: Path) ->
     chunk = 2 * BLOCK
     e = ChunkEngine(root, write_through=False, hold_bytes=4 * chunk)
     put(e, C, 1, 0, b"a" * chunk)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * chunk)
     put(e, C, 3, 0, b"c" * chunk)
     put(e, ChunkId(8, 0), 1, 0, b"x" * chunk)  # a new chunk, never synced

@@ -229,17 +229,17 @@ async def test_a_client_sync_makes_its_writes_durable_on_every_replica(processes
     targets = [tmp_path / f"cs{node}" for node in (1, 2, 3)]
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
-        await storage.sync(7)  # nothing written: no call
+        await storage.flush(7)  # nothing written: no call
         data = os.urandom(3 << 20)
         await storage.write(7, LAYOUT, 0, data)
         assert [unsynced_rows(t) for t in targets] == [3, 3, 3]
-        await storage.sync(7)
+        await storage.flush(7)
         assert [unsynced_rows(t) for t in targets] == [0, 0, 0]
         out = bytearray(len(data))
         await storage.read(7, LAYOUT, 0, memoryview(out))
         assert out == data
         with pytest.raises(StaleRouting):  # a target this server does not hold
-            await rpc.call(cluster.chunkservers[1][0], p.SYNC, p.SyncTargets([99_999]))
+            await rpc.call(cluster.chunkservers[1][0], p.FLUSH, p.FlushTargets([99_999]))
 
 
 async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
@@ -262,7 +262,7 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
         mgmtd = MgmtdClient(rpc, cluster.mgmtd)
         storage = StorageClient(rpc, mgmtd, retry_for=60)
         await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
-        await storage.sync(9)
+        await storage.flush(9)
         newest = os.urandom(3 << 20)
         await storage.write(9, LAYOUT, 0, newest)
         cluster.kill_chunkserver(3)
