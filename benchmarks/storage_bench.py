@@ -50,7 +50,7 @@ async def measure(config, chunk_size: int, streams: int, per_stream: int, shared
         async def writer(i: int) -> None:
             for c in range(chunks):
                 await storage.write(base + i, layout, c * chunk_size, payload)
-            await storage.sync(base + i)
+            await storage.flush(base + i)
 
         async def reader(i: int) -> None:
             buf = memoryview(bytearray(chunk_size))

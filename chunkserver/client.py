@@ -76,8 +76,8 @@ class StorageClient:
         self._routing: RoutingSnapshot | None = None
         self._refreshing: trio.Event | None = None
         self._chunk_locks: dict[tuple[int, int], trio.Lock] = {}
-        self._unsynced: set[int] = set()  # chains this client's writes reached since its last sync
-        self._sync_lock = trio.Lock()
+        self._unflushed: set[int] = set()  # chains this client's writes reached since its last flush
+        self._flush_lock = trio.Lock()
         self._rng = random.Random()
 
     # ---------------------------------------------------------------------------------- routing
@@ -169,7 +169,7 @@ class StorageClient:
                     # lent: the caller keeps ``data`` unchanged until this returns, and the head checks its CRC
                     await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
                                         timeout=self._call_timeout, lend=True)
-                    self._unsynced.add(chain.chain_id)
+                    self._unflushed.add(chain.chain_id)
 
                 await self._retrying(f"write of chunk {index} of inode {ino}", attempt)
             finally:
@@ -240,23 +240,23 @@ class StorageClient:
             await self.write(ino, layout, new_length, bytes(end - new_length))
         first_gone = -(-new_length // size)
         await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
-        self._unsynced.update(c.chain_id for c in (await self.routing()).chains)
+        self._unflushed.update(c.chain_id for c in (await self.routing()).chains)
 
-    async def sync(self, ino: int) -> None:
+    async def flush(self, ino: int) -> None:
         """Make this client's writes and truncations of ``ino`` durable on every replica (the file's fsync):
-        chunk servers may acknowledge them before they are flushed. A target flushes all it holds, so this syncs
-        the chains any of this client's writes reached since its last sync: state bounded by the chains, not by
-        the files ever written. Returns at once if nothing is unsynced."""
-        async with self._sync_lock:  # a concurrent sync waits for this one, then syncs what came after
-            chains, self._unsynced = self._unsynced, set()
+        chunk servers may acknowledge them before they are flushed. A target flushes all it holds, so this flushes
+        the chains any of this client's writes reached since its last flush: state bounded by the chains, not by
+        the files ever written. Returns at once if nothing is unflushed."""
+        async with self._flush_lock:  # a concurrent flush waits for this one, then flushes what came after
+            chains, self._unflushed = self._unflushed, set()
             if chains:
                 try:
-                    await self._retrying(f"sync of inode {ino}", lambda n: self._sync_chains(chains))
+                    await self._retrying(f"flush of inode {ino}", lambda n: self._flush_chains(chains))
                 except BaseException:
-                    self._unsynced |= chains
+                    self._unflushed |= chains
                     raise
 
-    async def _sync_chains(self, chain_ids: set[int]) -> None:
+    async def _flush_chains(self, chain_ids: set[int]) -> None:
         """SYNC every target that takes writes in these chains, one call per chunk server (as routing is now:
         a target that left a chain meanwhile has nothing its chain still needs)."""
         routing = await self.routing()
@@ -268,7 +268,7 @@ class StorageClient:
         async with one_error(), trio.open_nursery() as nursery:
             for address, targets in by_address.items():
                 nursery.start_soon(functools.partial(
-                    self.rpc.call, address, p.SYNC, p.SyncTargets(sorted(set(targets))), timeout=self._call_timeout))
+                    self.rpc.call, address, p.FLUSH, p.FlushTargets(sorted(set(targets))), timeout=self._call_timeout))
 
     async def remove_files(self, inodes: list[int]) -> None:
         await self._all_nodes(p.REMOVE_FILES, p.RemoveFiles(inodes))

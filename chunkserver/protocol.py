@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvfs.craq.messages import ChunkId, SyncQuery, SyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.craq.messages import ChunkId, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
 from kvfs.wire import Empty, Limits, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
@@ -23,7 +23,7 @@ CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
 class PeerEnvelope(msgspec.Struct, array_like=True):
     """One replication message between members of a chain; one-way, answered by a later message."""
 
-    msg: UpdateReq | UpdateAck | SyncQuery | SyncState
+    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState
 
 
 class ReadRange(msgspec.Struct, array_like=True):
@@ -105,7 +105,7 @@ class ChunkStat(msgspec.Struct, array_like=True):
     pending_version: int = 0
 
 
-class SyncTargets(msgspec.Struct, array_like=True):
+class FlushTargets(msgspec.Struct, array_like=True):
     """Make everything these targets acknowledged so far durable (a client's fsync): chunk servers acknowledge
     writes from the page cache unless ``write_through`` is set."""
 
@@ -128,4 +128,4 @@ LAST_CHUNK = Method(306, "chunk.last_chunk", LastChunkQuery, LastChunk, idempote
 SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
 CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)
 REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempotent=True)
-SYNC = Method(310, "chunk.sync", SyncTargets, Empty, idempotent=True)
+FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)

@@ -58,7 +58,7 @@ def serve_chunkserver(
                                  call_timeout=timeouts.call, transport=transport, shared_memory=shared_memory) as rpc:
                 chunkserver = ChunkServer(
                     node_id, listen, engines, rpc, MgmtdClient(rpc, config.mgmtd),
-                    heartbeat_interval=timeouts.heartbeat_interval, sync_interval=config.chunkserver.sync_interval,
+                    heartbeat_interval=timeouts.heartbeat_interval, flush_interval=config.chunkserver.sync_interval,
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(

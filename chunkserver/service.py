@@ -26,13 +26,12 @@ from crc32c import crc32c
 
 from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.engine import ChunkEngine
-from kvfs.chunkserver.engine import ChunkId as EngineChunkId
 from kvfs.craq.cluster import Heartbeat, RoutingSnapshot
 from kvfs.craq.member import (
     Abort,
     AskTail,
     ChainMember,
-    ChunkMeta,
+    ChunkState,
     Commit,
     Configure,
     Effect,
@@ -47,8 +46,8 @@ from kvfs.craq.member import (
     ServeVersion,
     Tick,
 )
-from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, SyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
-from kvfs.craq.client import CHECKSUM_REPORT, HEARTBEAT, REGISTER, SYNC_DONE, MgmtdClient, RegisterNode
+from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, ResyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
+from kvfs.craq.client import CHECKSUM_REPORT, HEARTBEAT, REGISTER, RESYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
@@ -60,7 +59,7 @@ log = logging.getLogger("kvfs.chunkserver")
 RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
 )
-SYNC_SECONDS = prometheus_client.Histogram(
+FLUSH_SECONDS = prometheus_client.Histogram(
     "kvfs_chunk_sync_seconds", "Time to make a target's acknowledged writes durable", ["reason"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
@@ -74,18 +73,14 @@ def target_id_for(node_id: int, index: int) -> int:
     return node_id * 100 + index
 
 
-def _engine_id(chunk_id: ChunkId) -> EngineChunkId:
-    return EngineChunkId(chunk_id.inode, chunk_id.index)
-
-
-def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkMeta]:
+def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkState]:
     """What a restarted member resumes from: each chunk's committed and pending versions on disk."""
     chunks = {}
     for meta in engine.list_chunks():
         committed, pending = engine.versions(meta.chunk_id)
         newest = pending or committed
         requests = _requests_codec[1].decode(newest.aux) if newest and newest.aux else {}
-        chunks[ChunkId(*meta.chunk_id)] = ChunkMeta(
+        chunks[meta.chunk_id] = ChunkState(
             committed.version if committed else 0,
             committed.crc if committed else 0,
             committed.length if committed else 0,
@@ -118,12 +113,12 @@ class ChunkServer:
         heartbeat_interval: float = 1.0,
         tick_interval: float = 0.02,
         retransmit_after: float = 1.0,
-        sync_interval: float = 5.0,
+        flush_interval: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``retransmit_after``: how long a member waits for an ack before sending an update again. TCP does
         not lose messages on a live connection, so this only covers broken connections and chain changes;
-        too short a wait re-sends whole chunks that are merely slow to persist. ``sync_interval``: how often
+        too short a wait re-sends whole chunks that are merely slow to persist. ``flush_interval``: how often
         write-back targets flush what no client's fsync did (0: only on fsync and at shutdown)."""
         self.node_id = node_id
         self.address = address
@@ -133,7 +128,7 @@ class ChunkServer:
         self.heartbeat_interval = heartbeat_interval
         self.tick_interval = tick_interval
         self.retransmit_after = retransmit_after
-        self.sync_interval = sync_interval
+        self.flush_interval = flush_interval
         self.clock = clock
         self.incarnation = time.time_ns()
         self.members: dict[int, ChainMember] = {}  # target id -> member, once routing places the target
@@ -144,7 +139,7 @@ class ChunkServer:
         self._nursery: trio.Nursery | None = None
         self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
         self._readers = Workers("chunk-read")  # large reads, which must not queue behind writes' fsyncs
-        self._syncers = Workers("chunk-sync")  # flushes, which take long and must not hold up writes
+        self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
 
     def register_handlers(self, server: RpcServer) -> None:
@@ -157,7 +152,7 @@ class ChunkServer:
             (p.LAST_CHUNK, self._on_last_chunk),
             (p.SPACE, self._on_space),
             (p.CHUNK_STAT, self._on_chunk_stat),
-            (p.SYNC, self._on_sync),
+            (p.FLUSH, self._on_flush),
         ):
             server.register(method, handler)
         # In the connection's reader task, not a task each (two per write and replica): they never wait, they
@@ -172,26 +167,26 @@ class ChunkServer:
             await self._register()
             nursery.start_soon(self._heartbeat_loop)
             nursery.start_soon(self._tick_loop)
-            if self.sync_interval > 0:
-                nursery.start_soon(self._sync_loop)
+            if self.flush_interval > 0:
+                nursery.start_soon(self._flush_loop)
 
-    async def _sync_loop(self) -> None:
+    async def _flush_loop(self) -> None:
         """Bound what a power loss can take from write-back targets, and the space their superseded versions hold."""
         while True:
-            await trio.sleep(self.sync_interval)
+            await trio.sleep(self.flush_interval)
             try:
-                await self._sync(list(self.engines.values()), "interval")
+                await self._flush(list(self.engines.values()), "interval")
             except OSError as exc:
-                log.error("periodic sync failed: %s", exc)
+                log.error("periodic flush failed: %s", exc)
 
-    async def _sync(self, engines: list[ChunkEngine], reason: str) -> None:
+    async def _flush(self, engines: list[ChunkEngine], reason: str) -> None:
         async with one_error(), trio.open_nursery() as nursery:
             for engine in engines:
-                nursery.start_soon(self._sync_one, engine, reason)
+                nursery.start_soon(self._flush_one, engine, reason)
 
-    async def _sync_one(self, engine: ChunkEngine, reason: str) -> None:
-        with SYNC_SECONDS.labels(reason).time():
-            await self._syncers.run(engine.sync)
+    async def _flush_one(self, engine: ChunkEngine, reason: str) -> None:
+        with FLUSH_SECONDS.labels(reason).time():
+            await self._flushers.run(engine.flush)
 
     # ------------------------------------------------------------------------------ mgmtd and routing
 
@@ -220,7 +215,7 @@ class ChunkServer:
         """Resyncs this server drives: syncing target -> (chunks left, chunks in all); also a Prometheus gauge."""
         progress = {}
         for member in self.members.values():
-            state = member.sync_progress()
+            state = member.resync_progress()
             if state is not None:
                 target, left, total = state
                 progress[target] = (left, total)
@@ -305,12 +300,12 @@ class ChunkServer:
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
                     lambda e=effect: self._workers.run(
-                        lambda: engine.commit(_engine_id(e.chunk_id), e.version, durable=False)),
+                        lambda: engine.commit(e.chunk_id, e.version, durable=False)),
                 )
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
-                    lambda e=effect: trio.to_thread.run_sync(engine.abort, _engine_id(e.chunk_id), e.version),
+                    lambda e=effect: trio.to_thread.run_sync(engine.abort, e.chunk_id, e.version),
                 )
             elif isinstance(effect, ReplyClient):
                 waiter = self._waiters.get((effect.msg.client_id, effect.msg.request_id))
@@ -349,7 +344,7 @@ class ChunkServer:
         try:
             meta = await self._workers.run(
                 lambda: engine.write_pending(
-                    _engine_id(e.chunk_id), e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
+                    e.chunk_id, e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
                     block_crcs=e.block_crcs,
                 )
@@ -363,7 +358,7 @@ class ChunkServer:
     async def _send_whole_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
         try:
             data, _ = await trio.to_thread.run_sync(
-                lambda: engine.read(_engine_id(e.msg.chunk_id), 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
+                lambda: engine.read(e.msg.chunk_id, 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
             )
         except KvfsError as exc:
             log.warning("cannot send chunk %s v%s to %s: %s", e.msg.chunk_id, e.msg.version, e.target, exc.message)
@@ -381,8 +376,8 @@ class ChunkServer:
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 
-    async def _report(self, msg: SyncDone | ChecksumReport) -> None:
-        method = SYNC_DONE if isinstance(msg, SyncDone) else CHECKSUM_REPORT
+    async def _report(self, msg: ResyncDone | ChecksumReport) -> None:
+        method = RESYNC_DONE if isinstance(msg, ResyncDone) else CHECKSUM_REPORT
         try:
             await self.mgmtd.call(method, msg)
         except KvfsError as exc:
@@ -478,23 +473,22 @@ class ChunkServer:
         into a pooled buffer, or the slot file's mapping), released once the reply is out; small ones are copied
         into a pooled buffer, from the page cache inline, else in a thread. The engine pins the version when it starts reading: if it is gone by then (the read waited for
         a thread while a newer version committed), the chunk was removed (a hole) or moved on (retry)."""
-        cid = _engine_id(chunk_id)
         try:
             if length >= _LEND_FROM:
-                lent = await self._readers.run(lambda: engine.lend(cid, offset, length, version))
+                lent = await self._readers.run(lambda: engine.lend(chunk_id, offset, length, version))
                 ctx.after_reply(lent.release)
                 return lent.data
             buf = memoryview(RECEIVED.take(length))  # filled by the read; only the part read goes out
             try:
-                n = engine.read(cid, offset, length, version=version, into=buf, nowait=True)[0]
+                n = engine.read(chunk_id, offset, length, version=version, into=buf, nowait=True)[0]
             except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
                 n, _ = await trio.to_thread.run_sync(
-                    lambda: engine.read(cid, offset, length, version=version, into=buf))
+                    lambda: engine.read(chunk_id, offset, length, version=version, into=buf))
             return buf[:n]
         except KvfsError as exc:
             if exc.errno != errno.ENOENT:
                 raise
-            if engine.versions(cid) == (None, None):
+            if engine.versions(chunk_id) == (None, None):
                 return b""  # removed (truncated or garbage-collected): a hole
             raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
 
@@ -515,7 +509,7 @@ class ChunkServer:
                 continue
             engine = self.engines[member.target_id]
             await trio.to_thread.run_sync(
-                lambda: engine.replace_full(_engine_id(chunk_id), fetched.version, data or b"", fetched.crc)
+                lambda: engine.replace_full(chunk_id, fetched.version, data or b"", fetched.crc)
             )
             log.info("target %s chunk %s repaired from target %s", member.target_id, chunk_id, t.target_id)
             return
@@ -525,11 +519,10 @@ class ChunkServer:
         engine = self.engines.get(req.target_id)
         if engine is None:
             raise StaleRouting(f"target {req.target_id} is not on this server")
-        cid = _engine_id(req.chunk_id)
-        committed, _ = engine.versions(cid)
+        committed, _ = engine.versions(req.chunk_id)
         if committed is None:
             raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
-        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(cid, 0, p.MAX_CHUNK_SIZE))
+        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(req.chunk_id, 0, p.MAX_CHUNK_SIZE))
         return p.FetchedChunk(meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
@@ -555,18 +548,18 @@ class ChunkServer:
             capacity, used, free = capacity + c, used + u, free + f
         return p.Space(capacity, used, free)
 
-    async def _on_sync(self, req: p.SyncTargets, data: Any, ctx: CallContext) -> Empty:
+    async def _on_flush(self, req: p.FlushTargets, data: Any, ctx: CallContext) -> Empty:
         unknown = set(req.target_ids) - set(self.engines)
         if unknown:
             raise StaleRouting(f"targets {sorted(unknown)} are not on this server")
-        await self._sync([self.engines[t] for t in req.target_ids], "client")
+        await self._flush([self.engines[t] for t in req.target_ids], "client")
         return Empty()
 
     async def _on_chunk_stat(self, req: p.ChunkStatQuery, data: Any, ctx: CallContext) -> p.ChunkStat:
         engine = self.engines.get(req.target_id)
         if engine is None:
             raise StaleRouting(f"target {req.target_id} is not on this server")
-        committed, pending = engine.versions(_engine_id(req.chunk_id))
+        committed, pending = engine.versions(req.chunk_id)
         if committed is None:
             return p.ChunkStat(0, 0, 0, pending.version if pending else 0)
         return p.ChunkStat(committed.version, committed.length, committed.crc, pending.version if pending else 0)

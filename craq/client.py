@@ -14,7 +14,7 @@ import msgspec
 import trio
 
 from kvfs.craq.cluster import Heartbeat, HeartbeatReply, RoutingSnapshot
-from kvfs.craq.messages import ChecksumReport, SyncDone
+from kvfs.craq.messages import ChecksumReport, ResyncDone
 from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable
 from kvfs.rpc import RpcClient
 from kvfs.wire import Empty, Method
@@ -60,7 +60,7 @@ REGISTER = Method(200, "mgmtd.register", RegisterNode, Empty)
 HEARTBEAT = Method(201, "mgmtd.heartbeat", Heartbeat, HeartbeatReply, idempotent=True)
 ROUTING = Method(202, "mgmtd.routing", Empty, RoutingSnapshot, idempotent=True)
 CREATE_CHAINS = Method(203, "mgmtd.create_chains", CreateChains, ChainIds)
-SYNC_DONE = Method(204, "mgmtd.sync_done", SyncDone, Empty, idempotent=True)
+RESYNC_DONE = Method(204, "mgmtd.resync_done", ResyncDone, Empty, idempotent=True)
 CHECKSUM_REPORT = Method(205, "mgmtd.checksum_report", ChecksumReport, Empty, idempotent=True)
 STATUS = Method(206, "mgmtd.status", Empty, ClusterStatus, idempotent=True)
 

@@ -9,7 +9,7 @@ Rules
   chain version is bumped; writes go on with the remaining replicas.
 - A target whose node is alive again becomes waiting (a lastsrv target serving again, if nothing else serves);
   one waiting target per chain at a time becomes syncing, placed right after the serving ones; after its
-  predecessor reports :class:`SyncDone` for the current chain version it becomes serving.
+  predecessor reports :class:`ResyncDone` for the current chain version it becomes serving.
 - Chain order is always serving, syncing, waiting, lastsrv, offline (stable within a state, newly down last).
 - Heartbeat replies grant a read lease of ``lease`` (< ``heartbeat_timeout``) from the heartbeat's send time,
   so a node mgmtd declares dead has stopped serving reads by then.
@@ -23,7 +23,7 @@ import msgspec
 
 from kvfs.errors import KvfsError
 
-from kvfs.craq.messages import ChainConfig, ChainTarget, SyncDone, TargetState
+from kvfs.craq.messages import ChainConfig, ChainTarget, ResyncDone, TargetState
 
 
 class NodeInfo(msgspec.Struct):
@@ -120,7 +120,7 @@ class ClusterManager:
         if not node.alive:
             node.alive = True
         changed += self._node_up(hb.node_id)
-        changed += self._start_syncs()
+        changed += self._start_resyncs()
         reply = HeartbeatReply(self.routing(), hb.sent_at + self.lease)
         return reply, sorted(set(changed))
 
@@ -131,16 +131,16 @@ class ClusterManager:
             if node.alive and now - node.last_heartbeat > self.heartbeat_timeout:
                 node.alive = False
                 changed += self._node_down(node.node_id)
-        changed += self._start_syncs()
+        changed += self._start_resyncs()
         return sorted(set(changed))
 
-    def sync_done(self, msg: SyncDone) -> list[int]:
+    def resync_done(self, msg: ResyncDone) -> list[int]:
         """The syncing target's predecessor copied everything: make it serving (if nothing changed since)."""
         chain = self.state.chains.get(msg.chain_id)
         if chain is None or chain.chain_version != msg.chain_version or chain.state_of(msg.target_id) is not TargetState.SYNCING:
             return []
         self._set(chain, {msg.target_id: TargetState.SERVING})
-        return sorted({msg.chain_id, *self._start_syncs()})
+        return sorted({msg.chain_id, *self._start_resyncs()})
 
     # ------------------------------------------------------------------------------------- transitions
 
@@ -179,7 +179,7 @@ class ClusterManager:
                 changed.append(chain.chain_id)
         return changed
 
-    def _start_syncs(self) -> list[int]:
+    def _start_resyncs(self) -> list[int]:
         changed = []
         for chain in list(self.state.chains.values()):
             states = [t.state for t in chain.targets]

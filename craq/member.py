@@ -20,12 +20,12 @@ Rules
    version. A dirty chunk asks the read tail (last serving target) which version is committed. The read tail
    itself serves its committed version, except for pending versions it held when it *became* tail (an
    old tail may have committed and served them), which it commits before serving them, and except for
-   every pending version once it has reported :class:`SyncDone` for its syncing successor (7a).
+   every pending version once it has reported :class:`ResyncDone` for its syncing successor (7a).
 7a. Handing the tail over: the syncing successor is the end of the write chain, so it commits a write before
-   the read tail does, and mgmtd makes it serving -- the new read tail -- as soon as the SyncDone arrives, with
+   the read tail does, and mgmtd makes it serving -- the new read tail -- as soon as the ResyncDone arrives, with
    no lease to wait for: the old tail may keep serving under the old chain version (a heartbeat reply still on
    its way, or cut off from mgmtd with a valid lease) while the new tail serves a version it has not committed.
-   So from its SyncDone until the next chain config, the read tail serves clean chunks only (a dirty one: retry,
+   So from its ResyncDone until the next chain config, the read tail serves clean chunks only (a dirty one: retry,
    EAGAIN); the successor can only hold versions that passed through it, so its clean committed version is
    still the newest anyone serves.
 8. Client retries carry the same ``(client_id, request_id)``. Every version carries a table of the highest
@@ -44,8 +44,8 @@ reaches every replica; a write only some members hold is finished too, which is 
 was never answered. A member that leaves the chain answers its clients with ESTALE so they retry elsewhere.
 
 A returning target sits at the end of the write chain as ``syncing``: its predecessor forwards writes to it
-as full-chunk replaces, asks it for its chunk versions (:class:`SyncQuery`) and copies every committed chunk
-whose version or CRC differs; when all are acknowledged it reports :class:`SyncDone` to mgmtd, which makes
+as full-chunk replaces, asks it for its chunk versions (:class:`ResyncQuery`) and copies every committed chunk
+whose version or CRC differs; when all are acknowledged it reports :class:`ResyncDone` to mgmtd, which makes
 the target serving, and so the new read tail (rule 7a: from then on the old tail serves clean chunks only).
 The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at a member that mgmtd
 may already have removed from the chain.
@@ -82,9 +82,9 @@ from kvfs.craq.messages import (
     ChunkId,
     ChunkSummary,
     Msg,
-    SyncDone,
-    SyncQuery,
-    SyncState,
+    ResyncDone,
+    ResyncQuery,
+    ResyncState,
     TargetState,
     UpdateAck,
     UpdateReq,
@@ -133,7 +133,7 @@ class Tick:
     now: float
 
 
-Event = Union[Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, SyncQuery, SyncState]
+Event = Union[Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, ResyncQuery, ResyncState]
 
 # --------------------------------------------------------------------------------------------- effects
 
@@ -160,7 +160,7 @@ class PersistPending:
     """``engine.write_pending(...)`` in the background, then report :class:`Persisted`.
 
     ``crc`` covers ``data`` (the whole chunk when ``full_replace``); ``requests`` is the idempotency table to
-    store with this version (see :class:`ChunkMeta`). ``force``: a full replace whose version is not newer
+    store with this version (see :class:`ChunkState`). ``force``: a full replace whose version is not newer
     than the committed one (a syncing target overwriting what it held before); it only happens at the end
     of the write chain, where ``Commit`` follows at once, so ``engine.replace_full`` may serve it.
     """
@@ -200,7 +200,7 @@ class ReplyClient:
 
 @dataclass(frozen=True)
 class ReportToMgmtd:
-    msg: SyncDone | ChecksumReport
+    msg: ResyncDone | ChecksumReport
 
 
 Effect = Union[Send, SendChunk, PersistPending, Commit, Abort, ReplyClient, ReportToMgmtd]
@@ -242,7 +242,7 @@ class Phase(enum.Enum):
 
 
 @dataclass(frozen=True)
-class ChunkMeta:
+class ChunkState:
     """What the engine keeps across restarts; a restarted member starts from this.
 
     ``requests``/``pending_requests``: the idempotency table stored with the committed/pending version.
@@ -306,13 +306,13 @@ class _Chunk:
 
 
 @dataclass
-class _SyncJob:
+class _ResyncJob:
     """Predecessor side of a resync: chunks not yet confirmed at the syncing successor."""
 
     target: int
-    outstanding: set[ChunkId] | None = None  # None until the successor's SyncState arrived
+    outstanding: set[ChunkId] | None = None  # None until the successor's ResyncState arrived
     sent_at: float = 0.0
-    done: bool = False  # SyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
+    done: bool = False  # ResyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
     total: int = 0  # chunks found to differ, for progress reports
 
 
@@ -326,7 +326,7 @@ class ChainMember:
         self,
         target_id: int,
         chain_id: int,
-        chunks: dict[ChunkId, ChunkMeta] | None = None,
+        chunks: dict[ChunkId, ChunkState] | None = None,
         retransmit_after: float = 0.05,
         *,
         retransmit_scan_every: float = 0.0,
@@ -343,7 +343,7 @@ class ChainMember:
         self.now = 0.0
         self._chunks: dict[ChunkId, _Chunk] = {}
         self._dirty: dict[ChunkId, _Chunk] = {}  # chunks with a pending version (what a Tick looks at)
-        self._sync: _SyncJob | None = None
+        self._resync: _ResyncJob | None = None
         self._queries = 0
         self._created = itertools.count()  # chunk creation order
         for cid, meta in (chunks or {}).items():
@@ -377,13 +377,13 @@ class ChainMember:
         """Whether a :class:`Tick` can do anything: a forwarded update waits for its ack, or a resync runs. A driver
         may tick an idle member rarely, as long as it ticks before asking it anything that depends on the time
         (reads check the lease against the last tick's clock)."""
-        return bool(self._dirty) or self._sync is not None
+        return bool(self._dirty) or self._resync is not None
 
-    def sync_progress(self) -> tuple[int, int, int] | None:
+    def resync_progress(self) -> tuple[int, int, int] | None:
         """(successor, chunks still to copy, chunks to copy in all) of the resync this member drives, or None.
 
         Before the successor has listed its chunks the total is unknown and reported as (successor, -1, -1)."""
-        job = self._sync
+        job = self._resync
         if job is None:
             return None
         if job.outstanding is None:
@@ -422,7 +422,7 @@ class ChainMember:
         committed one must not be served ("" if it may be served)."""
         if p.maybe_visible:
             return "pending at new tail"  # rule 7: an old tail may have committed and served it
-        if self._sync is not None and self._sync.done:
+        if self._resync is not None and self._resync.done:
             return "pending while handing the tail over"  # rule 7a: the syncing successor may already serve it
         return ""
 
@@ -453,10 +453,10 @@ class ChainMember:
                 raise ProtocolError(f"chain {event.chain_id} message at member of chain {self.chain_id}")
             if self.config is None or event.chain_version != self.chain_version or self.state not in _IN_CHAIN:
                 return self._refuse_stale(event)
-            if isinstance(event, SyncQuery):
-                return self._sync_query(event)
-            if isinstance(event, SyncState):
-                return self._sync_state(event)
+            if isinstance(event, ResyncQuery):
+                return self._resync_query(event)
+            if isinstance(event, ResyncState):
+                return self._resync_state(event)
             if isinstance(event, (WriteReq, UpdateReq, UpdateAck)):
                 return self._dispatch(self._chunk(event.chunk_id), event)
         raise ProtocolError(f"unexpected event {type(event).__name__}")
@@ -519,7 +519,7 @@ class ChainMember:
             return self._forward(c) if p.persisted and self._successor() else []
         if p is None and u.version == c.committed and (c.fresh or not u.full_replace):
             return [self._ack(u, AckStatus.OK, c)]  # already committed here; our ack was lost
-        if u.sync and c.fresh and u.version < c.committed:
+        if u.resync and c.fresh and u.version < c.committed:
             return [self._ack(u, AckStatus.OK, c)]  # the live chain already wrote a newer version
         if p is not None:
             if not p.persisted or p.orphan:
@@ -558,16 +558,16 @@ class ChainMember:
         p = c.pending
         p.sent_at = self.now
         if self.config.state_of(succ) is TargetState.SYNCING or p.update.data is None:
-            return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, sync=False))]
+            return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         return [Send(succ, msgspec.structs.replace(p.update, chain_version=self.chain_version, from_target=self.target_id))]
 
-    def _full_update(self, c: _Chunk, version: int, crc: int, sync: bool) -> UpdateReq:
+    def _full_update(self, c: _Chunk, version: int, crc: int, resync: bool) -> UpdateReq:
         """The whole chunk at ``version`` (the driver attaches the bytes): forward to a syncing target,
-        repair of a successor that refused, or (``sync``) a resync copy of a committed version."""
-        u = c.pending.update if c.pending is not None and not sync else None
+        repair of a successor that refused, or (``resync``) a resync copy of a committed version."""
+        u = c.pending.update if c.pending is not None and not resync else None
         return UpdateReq(
             self.chain_id, self.chain_version, c.cid, self.target_id, version, 0, crc, full_replace=True,
-            sync=sync, client_id=u.client_id if u else 0, request_id=u.request_id if u else 0,
+            resync=resync, client_id=u.client_id if u else 0, request_id=u.request_id if u else 0,
             requests=dict(c.pending.requests if u else c.requests),
         )
 
@@ -591,19 +591,19 @@ class ChainMember:
     def _ack(self, u: UpdateReq, status: AckStatus, c: _Chunk) -> Effect:
         return Send(u.from_target, UpdateAck(
             self.chain_id, self.chain_version, u.chunk_id, self.target_id, u.version, status,
-            c.committed, c.crc, c.length, u.sync))
+            c.committed, c.crc, c.length, u.resync))
 
     # ------------------------------------------------------------------------------------------ acks
 
     def _acked(self, c: _Chunk, a: UpdateAck) -> list[Effect]:
         if a.from_target != self._successor():
             raise ProtocolError(f"ack from {a.from_target}, not the successor of {self.target_id}")
-        effects = self._sync_progress(a)
+        effects = self._resync_acked(a)
         p = c.pending
         if p is None or not p.persisted or a.version != p.update.version:
-            return effects  # an ack of a sync copy, or a late duplicate
+            return effects  # an ack of a resync copy, or a late duplicate
         if a.status is AckStatus.VERSION_GAP:
-            return effects + [SendChunk(a.from_target, self._full_update(c, p.update.version, p.chunk_crc, sync=False))]
+            return effects + [SendChunk(a.from_target, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         if a.status is AckStatus.FAILED:
             return effects + [Abort(c.cid, p.update.version)] + self._abandon(c, KvfsError(a.message, a.errno))
         if a.status is not AckStatus.OK:
@@ -646,7 +646,7 @@ class ChainMember:
             return []
         was_syncing = self.state is TargetState.SYNCING
         self.config = cfg
-        self._sync = None
+        self._resync = None
         effects: list[Effect] = []
         state = self.state
         if state is TargetState.SYNCING and not was_syncing:
@@ -675,8 +675,8 @@ class ChainMember:
                 effects += self._forward(c) if self._successor() else self._commit(c)
         succ = self._successor() if in_chain else None
         if state is TargetState.SERVING and succ is not None and cfg.state_of(succ) is TargetState.SYNCING:
-            self._sync = _SyncJob(succ, sent_at=self.now)
-            effects.append(Send(succ, SyncQuery(self.chain_id, self.chain_version, self.target_id)))
+            self._resync = _ResyncJob(succ, sent_at=self.now)
+            effects.append(Send(succ, ResyncQuery(self.chain_id, self.chain_version, self.target_id)))
         return effects
 
     def _refuse_stale(self, m: Msg) -> list[Effect]:
@@ -687,20 +687,20 @@ class ChainMember:
             ack = self._ack(m, AckStatus.STALE, self._chunks.get(m.chunk_id) or _Chunk(m.chunk_id))
             # echo the sender's chain version: the refusal belongs to the sender's view of the chain
             return [Send(ack.target, msgspec.structs.replace(ack.msg, chain_version=m.chain_version))]
-        return []  # acks and sync messages of another chain version: the sender re-drives
+        return []  # acks and resync messages of another chain version: the sender re-drives
 
     # ------------------------------------------------------------------------------------------- resync
 
-    def _sync_query(self, q: SyncQuery) -> list[Effect]:
+    def _resync_query(self, q: ResyncQuery) -> list[Effect]:
         if self.state is not TargetState.SYNCING or q.from_target != self._predecessor():
-            raise ProtocolError(f"sync query from {q.from_target} at {self.state} target {self.target_id}")
+            raise ProtocolError(f"resync query from {q.from_target} at {self.state} target {self.target_id}")
         chunks = tuple(ChunkSummary(cid, c.committed, c.crc) for cid, c in sorted(self._chunks.items()))
-        return [Send(q.from_target, SyncState(self.chain_id, self.chain_version, self.target_id, chunks))]
+        return [Send(q.from_target, ResyncState(self.chain_id, self.chain_version, self.target_id, chunks))]
 
-    def _sync_state(self, s: SyncState) -> list[Effect]:
-        job = self._sync
+    def _resync_state(self, s: ResyncState) -> list[Effect]:
+        job = self._resync
         if job is None or s.from_target != job.target:
-            raise ProtocolError(f"sync state from {s.from_target} without a sync job")
+            raise ProtocolError(f"resync state from {s.from_target} without a resync job")
         if job.outstanding is not None:
             return []  # duplicate answer to a retransmitted query
         theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
@@ -708,9 +708,9 @@ class ChainMember:
         differing = [cid for cid, c in self._chunks.items()
                      if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)]
         job.total = len(differing)
-        return self._sync_send(job, differing)
+        return self._resync_send(job, differing)
 
-    def _sync_send(self, job: _SyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
+    def _resync_send(self, job: _ResyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
         """Copy clean chunks whole; a dirty one is covered by its pending write's full-chunk forward."""
         job.sent_at = self.now
         effects: list[Effect] = []
@@ -718,23 +718,23 @@ class ChainMember:
             c = self._chunks[cid]
             job.outstanding.add(cid)
             if c.pending is None:
-                effects.append(SendChunk(job.target, self._full_update(c, c.committed, c.crc, sync=True)))
-        return effects + self._sync_maybe_done(job)
+                effects.append(SendChunk(job.target, self._full_update(c, c.committed, c.crc, resync=True)))
+        return effects + self._resync_maybe_done(job)
 
-    def _sync_progress(self, a: UpdateAck) -> list[Effect]:
-        job = self._sync
+    def _resync_acked(self, a: UpdateAck) -> list[Effect]:
+        job = self._resync
         if job is None or job.outstanding is None or a.status is not AckStatus.OK or a.chunk_id not in job.outstanding:
             return []
         if a.committed_version < self._chunks[a.chunk_id].committed:
             return []  # confirms an older copy than we hold now; wait for the newer one
         job.outstanding.discard(a.chunk_id)
-        return self._sync_maybe_done(job)
+        return self._resync_maybe_done(job)
 
-    def _sync_maybe_done(self, job: _SyncJob) -> list[Effect]:
+    def _resync_maybe_done(self, job: _ResyncJob) -> list[Effect]:
         if job.outstanding:
             return []
         job.done = True  # from now on mgmtd may make the successor the read tail: rule 7a
-        return [ReportToMgmtd(SyncDone(self.chain_id, self.chain_version, job.target))]
+        return [ReportToMgmtd(ResyncDone(self.chain_id, self.chain_version, job.target))]
 
     # --------------------------------------------------------------------------------------------- tick
 
@@ -749,13 +749,13 @@ class ChainMember:
             for c in sorted(self._dirty.values(), key=lambda c: c.seq):  # O(in flight), deterministic order
                 if c.pending.persisted and c.pending.sent_at <= due:
                     effects += self._forward(c)
-        job = self._sync
+        job = self._resync
         if job is not None and job.sent_at <= due:
             if job.outstanding is None:
                 job.sent_at = now
-                effects.append(Send(job.target, SyncQuery(self.chain_id, self.chain_version, self.target_id)))
-            else:  # resend what is unconfirmed; SyncDone again if mgmtd has not acted on it yet
-                effects += self._sync_send(job, sorted(job.outstanding))
+                effects.append(Send(job.target, ResyncQuery(self.chain_id, self.chain_version, self.target_id)))
+            else:  # resend what is unconfirmed; ResyncDone again if mgmtd has not acted on it yet
+                effects += self._resync_send(job, sorted(job.outstanding))
         return effects
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -805,6 +805,6 @@ _TRANSITIONS: dict[tuple[Phase, type], Callable[[ChainMember, _Chunk, Event], li
     (Phase.PERSISTING, Persisted): ChainMember._persisted,  # forward, or (end of chain) commit and ack
     (Phase.PERSISTING, PersistFailed): ChainMember._persist_failed,  # abandon the version along the chain
     (Phase.FORWARDED, UpdateAck): ChainMember._acked,  # commit and ack upstream / answer clients
-    (Phase.CLEAN, UpdateAck): ChainMember._acked,  # sync copy confirmed, or a late duplicate
+    (Phase.CLEAN, UpdateAck): ChainMember._acked,  # resync copy confirmed, or a late duplicate
     (Phase.PERSISTING, UpdateAck): ChainMember._acked,  # a late duplicate of the previous version
 }

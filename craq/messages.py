@@ -13,6 +13,7 @@ machine always sees ``data`` attached; ``crc`` is the CRC32C of ``data`` as comp
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import msgspec
 
@@ -27,8 +28,9 @@ class TargetState(enum.Enum):
     OFFLINE = "offline"  # down
 
 
-class ChunkId(msgspec.Struct, frozen=True, array_like=True, order=True):
-    """A chunk is ``(inode, index)``; the layout, not the KV store, says which chain holds it."""
+class ChunkId(NamedTuple):
+    """A chunk is ``(inode, index)``; the layout, not the KV store, says which chain holds it. A tuple: on the wire
+    an array ``[inode, index]``, ordered and hashable as one, and what the chunk engine keys its chunks by."""
 
     inode: int
     index: int
@@ -91,7 +93,7 @@ class UpdateReq(Msg, frozen=True, tag=True):
     """Member -> successor: make ``version`` the pending version of the chunk.
 
     ``full_replace`` carries the whole chunk (to a syncing target, or to repair a successor that refused);
-    ``sync`` marks a resync copy of a committed version. ``requests`` is the sender's per-client
+    ``resync`` marks a resync copy of a committed version. ``requests`` is the sender's per-client
     idempotency table for the chunk, sent with full replaces so a repaired replica can later dedupe as head.
     """
 
@@ -101,7 +103,7 @@ class UpdateReq(Msg, frozen=True, tag=True):
     offset: int
     crc: int
     full_replace: bool = False
-    sync: bool = False
+    resync: bool = False
     client_id: int = 0
     request_id: int = 0
     requests: dict[int, int] | None = None
@@ -131,7 +133,7 @@ class UpdateAck(Msg, frozen=True, tag=True):
     committed_version: int = 0
     chunk_crc: int = 0
     chunk_len: int = 0
-    sync: bool = False
+    resync: bool = False
     errno: int = 0
     message: str = ""
 
@@ -171,18 +173,18 @@ class ChunkSummary(msgspec.Struct, frozen=True, array_like=True):
     crc: int
 
 
-class SyncQuery(Msg, frozen=True, tag=True):
+class ResyncQuery(Msg, frozen=True, tag=True):
     """Last serving member -> syncing successor: list your committed chunks so I copy the ones that differ."""
 
     from_target: int
 
 
-class SyncState(Msg, frozen=True, tag=True):
+class ResyncState(Msg, frozen=True, tag=True):
     from_target: int
     chunks: tuple[ChunkSummary, ...]
 
 
-class SyncDone(Msg, frozen=True, tag=True):
+class ResyncDone(Msg, frozen=True, tag=True):
     """Predecessor -> mgmtd: the syncing target holds every committed chunk; make it serving."""
 
     target_id: int
@@ -200,5 +202,5 @@ class ChecksumReport(Msg, frozen=True, tag=True):
 # Decode any chain message with ``msgspec.msgpack.decode(buf, type=WireMessage)``.
 WireMessage = (
     WriteReq | WriteResp | UpdateReq | UpdateAck | ReadReq | ReadResp | VersionQuery | VersionReply
-    | SyncQuery | SyncState | SyncDone | ChecksumReport | ChainConfig
+    | ResyncQuery | ResyncState | ResyncDone | ChecksumReport | ChainConfig
 )

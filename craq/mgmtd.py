@@ -23,11 +23,11 @@ import msgspec
 import trio
 
 from kvfs.craq.client import (
-    CHECKSUM_REPORT, CREATE_CHAINS, HEARTBEAT, REGISTER, ROUTING, STATUS, SYNC_DONE, ChainIds, ClusterStatus,
+    CHECKSUM_REPORT, CREATE_CHAINS, HEARTBEAT, REGISTER, ROUTING, STATUS, RESYNC_DONE, ChainIds, ClusterStatus,
     CreateChains, NodeStatus, NotPrimary, RegisterNode,
 )
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat, HeartbeatReply, RoutingSnapshot
-from kvfs.craq.messages import ChecksumReport, SyncDone
+from kvfs.craq.messages import ChecksumReport, ResyncDone
 from kvfs.errors import KvfsError
 from kvfs.kv import Database, Transaction
 from kvfs.kv.keys import pack
@@ -81,7 +81,7 @@ class MgmtdService:
             (HEARTBEAT, self._heartbeat),
             (ROUTING, self._routing),
             (CREATE_CHAINS, self._create_chains),
-            (SYNC_DONE, self._sync_done),
+            (RESYNC_DONE, self._resync_done),
             (CHECKSUM_REPORT, self._checksum_report),
             (STATUS, self._status),
         ):
@@ -208,9 +208,9 @@ class MgmtdService:
         log.info("created chains %s with %d replicas", created, req.replicas)
         return ChainIds(created)
 
-    async def _sync_done(self, msg: SyncDone) -> Empty:
+    async def _resync_done(self, msg: ResyncDone) -> Empty:
         assert self.manager is not None
-        if self.manager.sync_done(msg):
+        if self.manager.resync_done(msg):
             log.info("target %s of chain %s finished syncing", msg.target_id, msg.chain_id)
             await self._persist()
         return Empty()

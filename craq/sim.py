@@ -9,7 +9,7 @@ one slot (so successors must apply it on the right base version), a read reads t
 kept per (chunk, slot). :func:`run` returns them; :func:`check` verifies them.
 
 Simplifications: mgmtd fails over instantly (a standby loads the persisted state) and clients read its routing
-directly (heartbeats and SyncDone do go through the lossy network); one target per chain per node.
+directly (heartbeats and ResyncDone do go through the lossy network); one target per chain per node.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from kvfs.errors import NotCommitted
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
 from kvfs.craq.linearizable import Op, check_register
 from kvfs.craq.member import (
-    AskTail, ChainMember, ChunkMeta, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
+    AskTail, ChainMember, ChunkState, Commit, Configure, Effect, PersistPending, Persisted, ReplyClient,
     ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    ChecksumReport, ChunkId, ReadReq, ReadResp, SyncDone, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
+    ChecksumReport, ChunkId, ReadReq, ReadResp, ResyncDone, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
 )
 
 
@@ -72,11 +72,11 @@ class MemEngine:
                 return v.data
         return b"" if version == 0 else None
 
-    def meta(self) -> dict[ChunkId, ChunkMeta]:
+    def meta(self) -> dict[ChunkId, ChunkState]:
         metas = {}
         for cid in self.committed.keys() | self.pending.keys():
             c, p = self.committed.get(cid, _Version(0, b"", {})), self.pending.get(cid)
-            metas[cid] = ChunkMeta(c.version, crc32c(c.data), len(c.data), c.requests, *(
+            metas[cid] = ChunkState(c.version, crc32c(c.data), len(c.data), c.requests, *(
                 (p.version, crc32c(p.data), len(p.data), p.requests) if p else ()))
         return metas
 
@@ -282,9 +282,9 @@ class Sim:
             crc, length = node.engines[target].write_pending(p)
             self.execute(node, target, node.members[target].handle(Persisted(p.chunk_id, p.version, crc, length)))
 
-    def _mgmtd_report(self, msg: SyncDone | ChecksumReport) -> None:
-        if isinstance(msg, SyncDone):
-            self.mgr.sync_done(msg)
+    def _mgmtd_report(self, msg: ResyncDone | ChecksumReport) -> None:
+        if isinstance(msg, ResyncDone):
+            self.mgr.resync_done(msg)
         else:
             self.checksum_reports.append(msg)
 

@@ -960,7 +960,7 @@ class KvfsOperations(pyfuse3.Operations):
         await self._flush_inode(st)
         self._raise_error(h)
         async with one_error(), trio.open_nursery() as nursery:
-            nursery.start_soon(self.storage.sync, st.ino)  # chunk servers acknowledge from their page cache
+            nursery.start_soon(self.storage.flush, st.ino)  # chunk servers acknowledge from their page cache
             if self.dirops is not None:  # the file's create, if answered here, is durable once applied
                 nursery.start_soon(self.dirops.settled)
         if h.session is not None:

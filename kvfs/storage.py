@@ -33,7 +33,7 @@ class FileStorage(Protocol):
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""
 
-    async def sync(self, ino: int) -> None:
+    async def flush(self, ino: int) -> None:
         """Make the writes and truncations this client made to ``ino`` durable (fsync)."""
 
     async def remove_files(self, inodes: list[int]) -> None:

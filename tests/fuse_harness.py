@@ -113,8 +113,8 @@ class LocalFileStorage:
     async def truncate(self, ino, layout, old_length, new_length):
         await trio.to_thread.run_sync(self._truncate_sync, ino, layout.chunk_size, new_length)
 
-    async def sync(self, ino):
-        await trio.to_thread.run_sync(self.engine.sync)
+    async def flush(self, ino):
+        await trio.to_thread.run_sync(self.engine.flush)
 
     async def remove_files(self, inodes):
         await trio.to_thread.run_sync(self.engine.remove_files, inodes)

@@ -17,7 +17,8 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfs.chunkserver import engine as engine_mod
+from kvfs.chunkserver import rows as rows_mod
+from kvfs.chunkserver import slots as slots_mod
 from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
 from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
@@ -178,7 +179,7 @@ def test_reopen_keeps_committed_and_pending(tmp_path: Path) -> None:
 
 def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
     """remove_from deletes the rows and frees the slots of every chunk it drops, beyond batch boundaries."""
-    count = engine_mod._SQL_BATCH + 3
+    count = rows_mod.SQL_BATCH + 3
     with ChunkEngine(tmp_path) as e:
         for i in range(count):
             put(e, ChunkId(4, i), 1, 0, b"x")
@@ -223,13 +224,13 @@ def test_write_back_keeps_the_synced_version_until_the_next_sync(tmp_path: Path)
     root = tmp_path / "t"
     with ChunkEngine(root, write_through=False) as e:
         put(e, C, 1, 0, b"a" * 100)
-        e.sync()
+        e.flush()
         assert unsynced(root) == [] and e.space()[1] == 1 << 16
         put(e, C, 2, 0, b"b" * 100)
         put(e, C, 3, 0, b"c" * 100)
         assert unsynced(root) == [(C.inode, C.index, 2), (C.inode, C.index, 3)]
         assert e.space()[1] == 2 << 16  # v1 (the fallback) and v3: v2, never synced, gave its slot back at once
-        e.sync()
+        e.flush()
         assert unsynced(root) == [] and e.space()[1] == 1 << 16 and content(e, C) == b"c" * 100
         put(e, C, 4, 0, b"d" * 100)
     assert unsynced(root) == []  # close syncs
@@ -242,7 +243,7 @@ def test_write_back_falls_back_to_the_synced_version_when_a_crash_tore_a_newer_o
     e = ChunkEngine(root, write_through=False)
     put(e, C, 1, 0, b"a" * 100)
     put(e, ChunkId(8, 0), 1, 0, b"x" * 100)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * 100)
     e.write_pending(C, 3, 0, b"c" * 100, crc32c(b"c" * 100), chunk_size=CS)
     path, offset, _, _ = e.local_location(C)
@@ -264,7 +265,7 @@ def test_write_back_reuses_an_unsynced_version_s_slot_at_once_and_a_power_loss_u
     root, d = tmp_path / "t", ChunkId(8, 0)
     e = ChunkEngine(root, write_through=False)
     put(e, C, 1, 0, b"a" * 100)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * 100)
     slot_of_v2 = e.local_location(C)[1]
     db_files = {p.name: p.read_bytes() for p in root.glob("chunks.sqlite*")}  # what a power loss could leave
@@ -285,7 +286,7 @@ def test_write_back_frees_an_aborted_unsynced_version_s_slot_at_once_and_keeps_t
         tmp_path: Path) -> None:
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
         put(e, C, 1, 0, b"a" * 100)
-        e.sync()
+        e.flush()
         e.write_pending(C, 2, 0, b"b" * 100, crc32c(b"b" * 100), chunk_size=CS)
         assert e.space()[1] == 2 << 16
         e.abort(C, 2)  # v2 was never synced: its slot is free before any durable transaction
@@ -295,7 +296,7 @@ def test_write_back_frees_an_aborted_unsynced_version_s_slot_at_once_and_keeps_t
         assert e.space()[1] == 2 << 16
         e.remove_files([C.inode])  # v4 goes at once; v1, which a sync covered, waits for a durable transaction
         assert e.space()[1] == 1 << 16
-        e.sync()
+        e.flush()
         assert e.space()[1] == 0
 
 
@@ -325,7 +326,7 @@ def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Pat
             e.read(C, 0, CS, nowait=True)
         assert content(e, C) == bytes([5]) * chunk and held("written") - written == chunk
         put(e, C, 6, 0, bytes([6]) * chunk)
-        e.sync()
+        e.flush()
         assert held("written") - written == 2 * chunk and unsynced(root) == []
         put(e, ChunkId(8, 0), 1, 0, bytes(chunk))
         put(e, ChunkId(8, 0), 2, 0, b"partial")  # a partial write reads the held version it changes
@@ -342,7 +343,7 @@ def test_a_crash_loses_held_writes_back_to_the_synced_version(tmp_path: Path) ->
     chunk = 2 * BLOCK
     e = ChunkEngine(root, write_through=False, hold_bytes=4 * chunk)
     put(e, C, 1, 0, b"a" * chunk)
-    e.sync()
+    e.flush()
     put(e, C, 2, 0, b"b" * chunk)
     put(e, C, 3, 0, b"c" * chunk)
     put(e, ChunkId(8, 0), 1, 0, b"x" * chunk)  # a new chunk, never synced
@@ -358,9 +359,9 @@ def test_held_writes_stay_within_hold_bytes_and_changeable_buffers_are_not_held(
     with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=2 * chunk) as e:
         for i in range(5):
             put(e, ChunkId(9, i), 1, 0, bytes([i + 1]) * chunk)
-        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # the oldest went first
+        assert e._held.bytes == 2 * chunk and held("written") - written == 3 * chunk  # the oldest went first
         put(e, ChunkId(9, 9), 1, 0, bytearray(chunk))  # its owner could change it after the call: written now
-        assert e._held_bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
+        assert e._held.bytes == 2 * chunk and held("written") - written == 3 * chunk  # and not held at all
         assert [content(e, ChunkId(9, i)) for i in range(5)] == [bytes([i + 1]) * chunk for i in range(5)]
 
 
@@ -611,12 +612,12 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
 def test_direct_length_takes_whole_pages_of_aligned_memory_only() -> None:
     page = mmap.PAGESIZE
     view = _aligned(bytes(3 * page))
-    assert engine_mod._direct_length(view, 0) == 3 * page
-    assert engine_mod._direct_length(view[: 2 * page + 5], page) == 2 * page  # the tail goes through the cache
-    assert engine_mod._direct_length(view, 512) == 0  # unaligned file offset
-    assert engine_mod._direct_length(view[16:], 0) == 0  # unaligned memory
-    assert engine_mod._direct_length(view[: page - 1], 0) == 0  # less than a page
-    assert engine_mod._direct_length(memoryview(bytes(3 * page)), 0) == 0  # read-only
+    assert slots_mod._direct_length(view, 0) == 3 * page
+    assert slots_mod._direct_length(view[: 2 * page + 5], page) == 2 * page  # the tail goes through the cache
+    assert slots_mod._direct_length(view, 512) == 0  # unaligned file offset
+    assert slots_mod._direct_length(view[16:], 0) == 0  # unaligned memory
+    assert slots_mod._direct_length(view[: page - 1], 0) == 0  # less than a page
+    assert slots_mod._direct_length(memoryview(bytes(3 * page)), 0) == 0  # read-only
 
 
 def test_a_file_system_that_refuses_o_direct_gets_buffered_writes(
@@ -677,9 +678,9 @@ def test_a_direct_loan_needs_no_room_in_the_buffer_pool(tmp_path: Path, monkeypa
     with ChunkEngine(tmp_path / "t", fsync=False) as e:
         e.write_pending(C, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
         e.commit(C, 1)
-        monkeypatch.setattr(engine_mod, "RECEIVED", BufferPool(capacity=0, allocate=page_aligned))
+        monkeypatch.setattr(slots_mod, "RECEIVED", BufferPool(capacity=0, allocate=page_aligned))
         for off, n in [(0, len(data)), (5, BLOCK), (len(data) - 3, 3)]:
             lent = e.lend(C, off, n, 1)
             assert bytes(lent.data) == data[off : off + n]
         assert e.lend(C, len(data), 10, 1).data.nbytes == 0
-        assert all(f.direct >= 0 for f in e._files.values()) and not _cached(e, C, 0, len(data))
+        assert all(f.direct >= 0 for f in e._slots.files.values()) and not _cached(e, C, 0, len(data))

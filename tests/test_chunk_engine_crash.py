@@ -26,7 +26,8 @@ from crc32c import crc32c
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, _class_for  # noqa: E402
+from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId  # noqa: E402
+from kvfs.chunkserver.slots import class_for  # noqa: E402
 from harness import tear_unsynced  # noqa: E402
 
 CHUNKS = [ChunkId(3, i) for i in range(4)]
@@ -71,7 +72,7 @@ def child(root: Path, mode: str) -> None:
     def syncer() -> None:  # syncs while writes go on, as a chunk server's flushes do
         while True:
             say("presync")  # every version reported before this line is covered by the sync that follows
-            e.sync()
+            e.flush()
             say("sync")
             time.sleep(random.uniform(0, 0.02))
 
@@ -118,12 +119,12 @@ def check(root: Path, reported: dict[int, int], model: Model) -> None:
             want = model.content(k, m.version)
             got = bytes(e.read(cid, 0, CS)[0]) if m.version else b""
             assert got == want and (m.length, m.crc) == (len(want), crc32c(want)), (k, m)
-            used += (1 << _class_for(m.length)) if m.version else 0
+            used += (1 << class_for(m.length)) if m.version else 0
             if m.pending_version is not None:
                 assert m.pending_version == m.version + 1, m
                 want = model.content(k, m.pending_version)
                 assert bytes(e.read(cid, 0, CS, version=m.pending_version)[0]) == want
-                used += 1 << _class_for(len(want))
+                used += 1 << class_for(len(want))
         assert e.space()[1] == used  # no slot leaked or double-booked
 
 

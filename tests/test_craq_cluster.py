@@ -8,7 +8,7 @@ import pytest
 from kvfs.errors import KvfsError
 
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
-from kvfs.craq.messages import SyncDone, TargetState
+from kvfs.craq.messages import ResyncDone, TargetState
 
 S, Y, W, L, O = (TargetState.SERVING, TargetState.SYNCING, TargetState.WAITING, TargetState.LASTSRV,
                  TargetState.OFFLINE)
@@ -65,8 +65,8 @@ def test_returning_target_waits_syncs_one_at_a_time_then_serves():
     beat(mgr, 2, 1.6)
     assert layout(mgr, 1) == [(30, S), (10, Y), (20, W)]
     version = mgr.state.chains[1].chain_version
-    assert mgr.sync_done(SyncDone(1, version - 1, 10)) == []  # stale report: ignored
-    assert mgr.sync_done(SyncDone(1, version, 10)) == [1]
+    assert mgr.resync_done(ResyncDone(1, version - 1, 10)) == []  # stale report: ignored
+    assert mgr.resync_done(ResyncDone(1, version, 10)) == [1]
     assert layout(mgr, 1) == [(30, S), (10, S), (20, Y)]
 
 

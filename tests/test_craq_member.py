@@ -11,11 +11,11 @@ from crc32c import crc32c
 from kvfs.errors import ProtocolError
 
 from kvfs.craq.member import (
-    Abort, AskTail, ChainMember, PersistFailed, ChunkMeta, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
+    Abort, AskTail, ChainMember, PersistFailed, ChunkState, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, SyncDone, SyncQuery, SyncState, TargetState,
+    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncQuery, ResyncState, TargetState,
     UpdateAck, UpdateReq, VersionQuery, WireMessage, WriteReq,
 )
 from kvfs.craq.sim import MemEngine
@@ -35,7 +35,7 @@ def write(data: bytes, request_id: int = 1, client_id: int = 9, version: int = 1
 class Chain:
     """Members plus engine models; effects are run by hand so each test controls what is delivered when."""
 
-    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkMeta]] | None = None) -> None:
+    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkState]] | None = None) -> None:
         self.members = {t.target_id: ChainMember(t.target_id, 1, (metas or {}).get(t.target_id)) for t in cfg.targets}
         self.engines = {t: MemEngine() for t in self.members}
         self.replies: list = []
@@ -179,7 +179,7 @@ def test_unexpected_messages_are_protocol_errors(case):
         "update_from_stranger": (3, UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b""))),
         "write_at_middle": (2, write(b"a")),
         "ack_from_stranger": (1, UpdateAck(1, 1, CID, 3, 1, AckStatus.OK)),
-        "sync_query_at_serving": (3, SyncQuery(1, 1, 2)),
+        "sync_query_at_serving": (3, ResyncQuery(1, 1, 2)),
     }[case]
     with pytest.raises(ProtocolError):
         chain.members[member].handle(event)
@@ -261,16 +261,16 @@ def test_resync_copies_differing_chunks_then_reports_done():
     chain.engines[2] = MemEngine()
     syncing = config(3, (1, S), (2, Y))
     effects = chain.members[1].handle(Configure(syncing, 100.0))
-    assert effects == [Send(2, SyncQuery(1, 3, 1))]
-    assert chain.members[1].sync_progress() == (2, -1, -1)  # visible before the successor counted its chunks
+    assert effects == [Send(2, ResyncQuery(1, 3, 1))]
+    assert chain.members[1].resync_progress() == (2, -1, -1)  # visible before the successor counted its chunks
     chain.run(1, effects)
     chain.run(2, chain.members[2].handle(Configure(syncing, 100.0)))
     chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))  # the query; its answer is now in the outbox
     chain.run(1, chain.members[1].handle(chain.outbox.pop(0)[1]))  # the answer: one chunk differs, copy sent
-    assert chain.members[1].sync_progress() == (2, 1, 1)
+    assert chain.members[1].resync_progress() == (2, 1, 1)
     chain.deliver_all()
-    assert chain.members[1].sync_progress() == (2, 0, 1)
-    assert chain.mgmtd == [SyncDone(1, 3, 2)]
+    assert chain.members[1].resync_progress() == (2, 0, 1)
+    assert chain.mgmtd == [ResyncDone(1, 3, 2)]
     assert chain.engines[2].committed[CID].data == b"b" and chain.members[2].chunk_versions(CID) == (2, None)
     assert isinstance(chain.members[2].read_decision(CID, 3), Retry)  # syncing targets do not serve reads
 
@@ -281,7 +281,7 @@ def test_writes_during_sync_reach_the_syncing_target_as_full_chunks():
     sends = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
     assert sends and sends[0].full_replace and sends[0].data == b"a"
     chain.deliver_all()
-    assert chain.replies[-1].errno == 0 and chain.mgmtd == [SyncDone(1, 1, 2)]
+    assert chain.replies[-1].errno == 0 and chain.mgmtd == [ResyncDone(1, 1, 2)]
 
 
 def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
@@ -295,7 +295,7 @@ def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
 
 
 def test_restarted_last_serving_target_finishes_its_pending_write():
-    meta = {CID: ChunkMeta(1, crc32c(b"a"), 1, {9: 1}, pending_version=2, pending_crc=crc32c(b"b"), pending_length=1)}
+    meta = {CID: ChunkState(1, crc32c(b"a"), 1, {9: 1}, pending_version=2, pending_crc=crc32c(b"b"), pending_length=1)}
     member = ChainMember(1, 1, meta)
     assert member.handle(Configure(config(5, (1, S)), 100.0)) == [Commit(CID, 2)]
     assert member.read_decision(CID, 5) == ServeVersion(2)
@@ -337,7 +337,7 @@ def test_messages_round_trip_as_msgpack_with_data_stripped():
     wire = msgspec.msgpack.encode(msgspec.structs.replace(u, data=None))
     back = msgspec.msgpack.decode(wire, type=WireMessage)
     assert msgspec.structs.replace(back, data=b"bulk") == u
-    s = SyncState(1, 2, 3, ())
+    s = ResyncState(1, 2, 3, ())
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=WireMessage) == s
 
 
@@ -372,7 +372,7 @@ def test_a_replica_that_cannot_store_a_write_fails_it_everywhere():
 
 @pytest.mark.parametrize("write_starts", ["after_sync_done", "before_sync_done"])
 def test_tail_handing_over_to_a_synced_successor_stops_serving_dirty_chunks(write_starts):
-    """Regression (sim seed 1318 with a coarse retransmit scan): a read tail that reported SyncDone must not
+    """Regression (sim seed 1318 with a coarse retransmit scan): a read tail that reported ResyncDone must not
     serve its committed version of a dirty chunk. The syncing successor (end of the write chain) commits the
     write first; mgmtd makes it serving, the new read tail, at once; the old tail has not heard yet (heartbeat
     reply in flight, or cut off from mgmtd with a valid lease) and would un-see what the new tail serves."""
@@ -390,20 +390,20 @@ def test_tail_handing_over_to_a_synced_successor_stops_serving_dirty_chunks(writ
         return lambda t, m: getattr(m, "chunk_id", None) == cid
 
     chain.reconfigure(config(2, (1, S), (2, S), (3, Y)))  # 3 returns syncing; 2 (read tail) asks for its list
-    deliver(lambda t, m: isinstance(m, SyncQuery))
-    deliver(lambda t, m: isinstance(m, SyncState))  # 2 sends the copy of `other`
+    deliver(lambda t, m: isinstance(m, ResyncQuery))
+    deliver(lambda t, m: isinstance(m, ResyncState))  # 2 sends the copy of `other`
     if write_starts == "after_sync_done":
         chain.deliver_all()
-        assert chain.mgmtd == [SyncDone(1, 2, 3)]
+        assert chain.mgmtd == [ResyncDone(1, 2, 3)]
     chain.run(1, chain.members[1].handle(write(b"a", version=2)))
     while chain.members[3].chunk_versions(CID) != (1, None):  # the write reaches 3, which commits first
         deliver(is_chunk(CID))
     ((_, held),) = [(t, m) for t, m in chain.outbox if is_chunk(CID)(t, m)]
     chain.outbox.remove((2, held))  # 3's ack to 2 is slow
     chain.deliver_all()  # (before_sync_done: the copy of `other` is acked now, with the write still in flight)
-    assert chain.mgmtd == [SyncDone(1, 2, 3)] and chain.members[2].chunk_versions(CID) == (0, 1)
+    assert chain.mgmtd == [ResyncDone(1, 2, 3)] and chain.members[2].chunk_versions(CID) == (0, 1)
 
-    promoted = config(3, (1, S), (2, S), (3, S))  # mgmtd acts on SyncDone; 2 has not heard yet
+    promoted = config(3, (1, S), (2, S), (3, S))  # mgmtd acts on ResyncDone; 2 has not heard yet
     chain.reconfigure(promoted, 3)
     assert chain.members[3].read_decision(CID, 3) == ServeVersion(1)  # the new read tail serves v1 ...
     old_tail, head = chain.members[2], chain.members[1]

@@ -47,7 +47,7 @@ def test_seed(profile: str, seed: int):
 
 # Seeds that once failed under a timing other than the default, kept in CI: (scan interval, seed).
 REGRESSIONS = [
-    # a read tail reported SyncDone, mgmtd made its syncing successor the new read tail (which had committed a
+    # a read tail reported ResyncDone, mgmtd made its syncing successor the new read tail (which had committed a
     # write the old tail still held pending); the old tail, cut off from mgmtd with a valid lease, kept serving
     # the previous version under the old chain version (member rule 7a)
     (0.025, 1318),

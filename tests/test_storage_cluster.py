@@ -229,17 +229,17 @@ async def test_a_client_sync_makes_its_writes_durable_on_every_replica(processes
     targets = [tmp_path / f"cs{node}" for node in (1, 2, 3)]
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
-        await storage.sync(7)  # nothing written: no call
+        await storage.flush(7)  # nothing written: no call
         data = os.urandom(3 << 20)
         await storage.write(7, LAYOUT, 0, data)
         assert [unsynced_rows(t) for t in targets] == [3, 3, 3]
-        await storage.sync(7)
+        await storage.flush(7)
         assert [unsynced_rows(t) for t in targets] == [0, 0, 0]
         out = bytearray(len(data))
         await storage.read(7, LAYOUT, 0, memoryview(out))
         assert out == data
         with pytest.raises(StaleRouting):  # a target this server does not hold
-            await rpc.call(cluster.chunkservers[1][0], p.SYNC, p.SyncTargets([99_999]))
+            await rpc.call(cluster.chunkservers[1][0], p.FLUSH, p.FlushTargets([99_999]))
 
 
 async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
@@ -262,7 +262,7 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
         mgmtd = MgmtdClient(rpc, cluster.mgmtd)
         storage = StorageClient(rpc, mgmtd, retry_for=60)
         await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
-        await storage.sync(9)
+        await storage.flush(9)
         newest = os.urandom(3 << 20)
         await storage.write(9, LAYOUT, 0, newest)
         cluster.kill_chunkserver(3)
@@ -312,7 +312,6 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     (a newer one committed while the read waited for a thread) is EAGAIN for the client to retry, never
     ENOENT, and a chunk removed altogether reads as a hole."""
     from kvfs.chunkserver.engine import ChunkEngine
-    from kvfs.chunkserver.engine import ChunkId as EngineChunkId
     from kvfs.chunkserver.service import ChunkServer
     from crc32c import crc32c
     from kvfs.errors import NotCommitted
@@ -323,9 +322,9 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     ctx = CallContext("test", p.READ)
     data = os.urandom(2 << 20)
     for version in (1, 2):
-        engine.write_pending(EngineChunkId(7, 0), version, 0, data, crc32c(data), full_replace=True,
+        engine.write_pending(ChunkId(7, 0), version, 0, data, crc32c(data), full_replace=True,
                              chunk_size=p.MAX_CHUNK_SIZE)
-        engine.commit(EngineChunkId(7, 0), version)
+        engine.commit(ChunkId(7, 0), version)
     chunk = ChunkId(7, 0)
     assert bytes(await server._engine_data(engine, chunk, 0, length, 2, ctx)) == data[:length]
     with pytest.raises(NotCommitted, match="moved past v1"):
