@@ -6,7 +6,8 @@
 from kvfs.transport.buffers import BufferPool, LocalSge, RemoteBuffer, Slab
 from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable, UnregisteredMemory
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
-from kvfs.transport.select import RdmaAvailability, TransportMode, choose_transport, detect_rdma
+from kvfs.transport.select import RdmaAvailability, TransportMode, choose_transport
+from kvfs.transport.verbs import detect_rdma
 
 __all__ = [
     "RDMA_CONNECT",
