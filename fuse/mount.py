@@ -101,8 +101,7 @@ def fusectl_dir(mountpoint: str) -> str | None:
 def set_max_background(mountpoint: str, requests: int) -> bool:
     """Let the kernel keep ``requests`` asynchronous requests (readahead) in flight to the mount instead of its
     default 12 (congested at 9): a sequential reader's readahead stalls at that many 1 MiB reads while each
-    waits for a chunk server's disk. fs_compare's 1 MiB sequential reads on ``kvfs up``: 616-684 MB/s at 64
-    against 546-572 at 12. Needs root (fusectl's files are root's); False if not possible."""
+    waits for a chunk server's disk. Needs root (fusectl's files are root's); False if not possible."""
     path = fusectl_dir(mountpoint)
     if path is None:
         log.info("could not raise max_background for %s: no fusectl directory (not root?)", mountpoint)

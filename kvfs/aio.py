@@ -33,8 +33,8 @@ async def one_error() -> AsyncIterator[None]:
 class Workers:
     """Long-lived threads for blocking calls on a hot path: ``await workers.run(fn)`` does what
     ``trio.to_thread.run_sync(fn)`` does (the calling task cannot be cancelled while ``fn`` runs) without its
-    per-call work (a capacity limiter, naming the OS thread twice, a thread-cache hand-off), ~70 instead of
-    ~120 us of CPU a call on a 2-vCPU VM. Threads start on demand, up to ``max_threads``; more calls wait."""
+    per-call work (a capacity limiter, naming the OS thread twice, a thread-cache hand-off), CPU that a hot path
+    pays on every call. Threads start on demand, up to ``max_threads``; more calls wait."""
 
     def __init__(self, name: str, max_threads: int = 16) -> None:
         self._name = name

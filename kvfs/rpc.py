@@ -12,15 +12,18 @@ run in the reader task (no task per call).
 Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
 connection with a logged reason; every other connection keeps being served.
 
-Lent data sections (``lend=True``: chunk writes and their forwards) move through shared memory instead when client
-and server share a host (:mod:`kvfs.transport.shm`, ``$KVFS_SHM``): the frame names where the bytes lie in the
-client's arena and the server copies them out, one memcpy instead of two copies and a TCP stack on each side.
+Data sections may travel another way, negotiated per connection by :mod:`kvfs.transport.negotiate` (the
+handshakes and the link state they leave; this module only asks it, per frame, how a section goes):
 
-Bulk data may move by RDMA instead (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): after the
-TCP connect a client whose host has RDMA offers a queue pair (``RDMA_CONNECT``); when the server accepts, calls
-with large data sections carry a descriptor of a registered slab in place of the bytes and the server
-RDMA-READs/WRITEs it (:mod:`kvfs.transport.link`). Control messages always stay on TCP, any set-up failure
-leaves that connection on TCP, and a connection without RDMA sends exactly the bytes it always did.
+* lent data sections (``lend=True``: chunk writes and their forwards) through shared memory when client and server
+  share a host (:mod:`kvfs.transport.shm`, ``$KVFS_SHM``): the frame names where the bytes lie in the client's
+  arena and the server copies them out, one memcpy instead of two copies and a TCP stack on each side;
+* large data sections by RDMA (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): the frame carries
+  a descriptor of a registered slab in place of the bytes and the server RDMA-READs/WRITEs it
+  (:mod:`kvfs.transport.link`).
+
+Control messages always stay on TCP, any set-up failure leaves that connection on TCP, and a connection that
+negotiated nothing sends exactly the bytes it always did.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ from kvfs.errors import (
 )
 from kvfs.pool import RECEIVED
 from kvfs.transport import link as rdma
-from kvfs.transport import shm
+from kvfs.transport import negotiate, shm
 from kvfs.transport.buffers import Slab
-from kvfs.transport.errors import BufferExhausted, RdmaError, RdmaUnavailable
+from kvfs.transport.errors import BufferExhausted, RdmaError
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
+from kvfs.transport.negotiate import ClientLinks, PeerConnection, TransportChoice
 from kvfs.transport.select import TransportMode
 from kvfs.wire import FrameType, Limits, Method, Signer
 
@@ -74,9 +78,6 @@ RPC_SECONDS = prometheus_client.Histogram("kvfs_rpc_seconds", "Time spent in RPC
 # labels() hashes and looks up its arguments on every call; the children are few (methods x errnos), kept here.
 _call_counter = functools.cache(RPC_CALLS.labels)
 _call_timer = functools.cache(RPC_SECONDS.labels)
-RDMA_FALLBACKS = prometheus_client.Counter(
-    "kvfs_rdma_fallbacks", "Connections that left (or never reached) RDMA for bulk data", ["stage"]
-)
 
 _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
@@ -322,23 +323,19 @@ class Connection:
         self._closed: BaseException | None = None
         self._going_away = False  # the server sent GOAWAY: no new calls on this connection
         self._cancel = trio.CancelScope()
-        #: The RDMA link when the handshake succeeded (None: bulk data goes over TCP).
-        self.rdma: rdma.RdmaLink | None = None
-        self.forced_rdma = False
+        #: What the handshakes negotiated: how this connection's data sections travel besides TCP.
+        self.links = ClientLinks(address, self.call, shared_memory=shared_memory)
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
-        self._shm = shared_memory  # lent data may go through this process's arena, if the server maps it
-        self._shm_ok: bool | None = None  # the server's answer to SHM_CONNECT; None: not asked yet
-        self._shm_asking: trio.Event | None = None
 
     @property
     def transport(self) -> str:
         """``"rdma"`` while bulk data to this server moves by RDMA, else ``"tcp"``."""
-        return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
+        return self.links.transport
 
     @property
     def shared_memory(self) -> bool:
         """Lent data sections to this server go through shared memory (the server mapped this process's arena)."""
-        return bool(self._shm_ok)
+        return self.links.shared_memory
 
     @property
     def closed(self) -> bool:
@@ -374,8 +371,7 @@ class Connection:
 
     def _close_rdma(self) -> None:
         """Destroy the queue pair first: only then can no server operation touch the held slabs any more."""
-        if self.rdma is not None:
-            self.rdma.close()
+        self.links.close()
         held, self._held = self._held, {}
         for slabs in held.values():
             for slab in slabs:
@@ -492,44 +488,6 @@ class Connection:
             raise KvfsError(f"data section of {data_len} bytes exceeds the limit", errno.EMSGSIZE)
         return buffers, data_len
 
-    async def _share_lent(self, lend: bool, body: bytes, buffers: list[Buffer], data_len: int, flags: wire.Flags
-                          ) -> tuple[bytes, list[Buffer], int, wire.Flags]:
-        """A frame's body, data section and flags, with a lent data section that lies in this process's arena
-        replaced by its shared-memory trailer (flag SHM) when the server maps the arena; else unchanged."""
-        if not lend or not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
-            return body, buffers, data_len, flags
-        arena = shm.PROCESS_ARENA.get()
-        if arena is None or (offset := arena.locate(buffers[0])) is None:
-            return body, buffers, data_len, flags
-        if self._shm_ok is None:
-            await self._offer_arena(arena)
-        if not self._shm_ok:
-            return body, buffers, data_len, flags
-        return body + shm.encode_trailer(offset, data_len), [], 0, flags | wire.Flags.SHM
-
-    async def _offer_arena(self, arena: shm.Arena) -> None:
-        """Ask the server to map this process's arena; concurrent first calls wait for the one answer."""
-        if self._shm_asking is not None:
-            await self._shm_asking.wait()
-            return
-        self._shm_asking = asking = trio.Event()
-        try:
-            answer, _ = await self.call(shm.SHM_CONNECT, arena.offer())
-            self._shm_ok = answer.accepted
-            if answer.accepted:
-                log.debug("lent data to %s through shared memory", self.address)
-            else:
-                log.info("lent data to %s over TCP: %s", self.address, answer.reason)
-        except (ConnectionLost, ServiceUnavailable, AuthError):
-            raise
-        except KvfsError as exc:  # e.g. ENOSYS from a server that predates shared memory
-            self._shm_ok = False
-            log.info("lent data to %s over TCP: %s", self.address, exc.message)
-        finally:
-            asking.set()
-            if self._shm_ok is None:  # interrupted: the next lent call asks again
-                self._shm_asking = None
-
     async def call(
         self,
         method: Method,
@@ -545,16 +503,15 @@ class Connection:
         this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`)."""
         buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
-        body, buffers, data_len, flags = await self._share_lent(
+        body, buffers, data_len, flags = await self.links.share_lent(
             lend, wire.encode_body(request), buffers, data_len, wire.Flags.NONE)
-        link = self.rdma
-        if not flags & wire.Flags.SHM and link is not None and link.ready:
-            plan = link.plan(data_len, None if into is None else len(into))
-            if plan.rdma:
-                answer = await self._call_rdma(link, plan, method, body, buffers, data_len, into)
-                if answer is not None:
-                    return answer
-                # no slab free, or the server could not move the data: this call goes over TCP
+        if not flags & wire.Flags.SHM and (
+            planned := self.links.rdma_plan(data_len, None if into is None else len(into))
+        ) is not None:
+            answer = await self._call_rdma(*planned, method, body, buffers, data_len, into)
+            if answer is not None:
+                return answer
+            # no slab free, or the server could not move the data: this call goes over TCP
         frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         pending = _Pending(method, into)
         self._pending[request_id] = pending
@@ -573,7 +530,7 @@ class Connection:
         data is in the kernel, for a caller-owned buffer). Never by RDMA, which needs an answer; by shared memory
         when ``lend`` (as for :meth:`call`, the data stays unchanged until the server has handled the message)."""
         buffers, data_len = self._outgoing(data)
-        body, buffers, data_len, flags = await self._share_lent(
+        body, buffers, data_len, flags = await self.links.share_lent(
             lend, wire.encode_body(request), buffers, data_len, wire.Flags.ONEWAY)
         frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, body, data_len, flags)
         await self._writer.put([frame, *buffers])
@@ -635,42 +592,16 @@ class Connection:
             self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
         return None
 
-    def attach_rdma(self, link: rdma.RdmaLink, *, forced: bool = False) -> None:
-        self.rdma = link
-        self.forced_rdma = forced
-
     def _rdma_failed(self, link: rdma.RdmaLink, reason: str) -> None:
         """Leave RDMA for this connection (auto), or close it and fail the call (forced ``rdma``)."""
-        link.fail(reason)
-        if self.rdma is link:
-            self.rdma = None
-        RDMA_FALLBACKS.labels("transfer").inc()
-        if self.forced_rdma:
+        try:
+            self.links.leave_rdma(link, reason)
+        except RdmaError:
             self.close()
-            raise RdmaError(f"transport 'rdma' is forced and RDMA to {self.address} failed: {reason}")
-        log.warning("bulk data to %s over TCP from now on: %s", self.address, reason)
+            raise
 
 
-class _TransportChoice:
-    """The transport mode of a client or server, and the RDMA endpoint factory it uses when RDMA is on."""
-
-    transport: TransportMode
-    _rdma_factory: rdma.EndpointFactory | None
-
-    def _init_transport(self, transport: TransportMode | str | None, factory: rdma.EndpointFactory | None) -> None:
-        """Resolve the mode; forcing ``rdma`` on a host that cannot do it fails here, at start-up."""
-        self.transport = rdma.resolve_mode(transport)
-        self._rdma_factory = factory
-        if self.transport is TransportMode.RDMA:
-            rdma.require_available(self.transport, self._factory().detect())
-
-    def _factory(self) -> rdma.EndpointFactory:
-        if self._rdma_factory is None:
-            self._rdma_factory = rdma.default_factory()
-        return self._rdma_factory
-
-
-class RpcClient(_TransportChoice):
+class RpcClient(TransportChoice):
     """Connections to any number of servers, one multiplexed connection per address, in one nursery.
 
     Use as ``async with RpcClient(token) as client:``; every connection's tasks live and die inside it.
@@ -696,7 +627,7 @@ class RpcClient(_TransportChoice):
         rdma_factory: rdma.EndpointFactory | None = None,
         shared_memory: bool | None = None,
     ) -> None:
-        self._init_transport(transport, rdma_factory)
+        super().__init__(transport, rdma_factory)
         self.shared_memory = shm.resolve_enabled(shared_memory)
         self._signer = Signer(token)
         self._limits = limits
@@ -751,55 +682,12 @@ class RpcClient(_TransportChoice):
                 await self._nursery.start(conn.run)
                 if self.transport is not TransportMode.TCP:
                     try:
-                        await self._negotiate_rdma(conn)
+                        await conn.links.offer_rdma(self)
                     except BaseException:
                         conn.close()
                         raise
                 self._connections[address] = conn
         return conn
-
-    async def _negotiate_rdma(self, conn: Connection) -> None:
-        """Offer the server a queue pair; any failure leaves this connection's bulk data on TCP (logged)."""
-        factory = self._factory()
-        local = factory.detect()
-        if not local.available:
-            rdma.note_tcp_only(local)  # nothing to offer (forced ``rdma`` already failed in the constructor)
-            return
-        forced = self.transport is TransportMode.RDMA
-        try:
-            endpoint = factory.new_endpoint()
-        except Exception as exc:
-            return self._stay_on_tcp(conn, f"local RDMA set-up failed: {_reason(exc)}", forced)
-        try:
-            try:
-                answer, _ = await conn.call(RDMA_CONNECT, endpoint.offer())
-            except (ConnectionLost, ServiceUnavailable, AuthError):
-                raise
-            except KvfsError as exc:  # e.g. ENOSYS from a server that predates RDMA
-                raise _SetupFailed(f"RDMA handshake failed: {exc.message}") from None
-            if not answer.accepted:
-                raise _SetupFailed(f"the server refused RDMA: {answer.reason}")
-            assert answer.endpoint is not None
-            try:
-                endpoint.connect(answer.endpoint)
-            except Exception as exc:
-                raise _SetupFailed(f"connecting the queue pair failed: {_reason(exc)}") from None
-        except _SetupFailed as exc:
-            _close_quietly(endpoint)
-            return self._stay_on_tcp(conn, exc.message, forced)
-        except BaseException:
-            _close_quietly(endpoint)
-            raise
-        conn.attach_rdma(rdma.RdmaLink(endpoint, conn.address, min_bytes=factory.min_bytes), forced=forced)
-        log.info("bulk data to %s by RDMA", conn.address)
-
-    @staticmethod
-    def _stay_on_tcp(conn: Connection, reason: str, forced: bool) -> None:
-        RDMA_FALLBACKS.labels("setup").inc()
-        if forced:
-            raise RdmaUnavailable(f"transport 'rdma' is forced but {conn.address} cannot use it: {reason}",
-                                  errno.EOPNOTSUPP)
-        log.warning("bulk data to %s over TCP: %s", conn.address, reason)
 
     async def call(
         self,
@@ -856,21 +744,6 @@ class RpcClient(_TransportChoice):
             raise RpcTimeout(f"sending {method.name} to {address} took longer than {deadline:g}s") from None
 
 
-class _SetupFailed(KvfsError):
-    pass
-
-
-def _reason(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, KvfsError) else f"{type(exc).__name__}: {exc}"
-
-
-def _close_quietly(endpoint: rdma.Endpoint) -> None:
-    try:
-        endpoint.close()
-    except Exception as exc:
-        log.warning("closing an RDMA endpoint: %s", exc)
-
-
 # --------------------------------------------------------------------------------------------- server
 
 
@@ -889,50 +762,7 @@ class CallContext:
         self._after_reply.append(fn)
 
 
-class PeerConnection:
-    """A server's per-connection state: the peer and, after accepted handshakes, its RDMA link and the mapping
-    of its shared-memory arena."""
-
-    __slots__ = ("peer", "rdma", "shm")
-
-    def __init__(self, peer: str) -> None:
-        self.peer = peer
-        self.rdma: rdma.RdmaLink | None = None
-        self.shm: shm.PeerArena | None = None
-
-    @property
-    def transport(self) -> str:
-        return "rdma" if self.rdma is not None and self.rdma.ready else "tcp"
-
-    @property
-    def shared_memory(self) -> bool:
-        return self.shm is not None
-
-    def install_shm(self, arena: shm.PeerArena) -> None:
-        if self.shm is not None:
-            self.shm.close()
-        self.shm = arena
-
-    def install(self, link: rdma.RdmaLink) -> None:
-        if self.rdma is not None:
-            self.rdma.close()
-        self.rdma = link
-
-    async def pull(self, src: Any) -> memoryview:
-        link = self.rdma
-        if link is None or not link.ready:
-            reason = "no RDMA link on this connection" if link is None else f"RDMA link is down: {link.broken}"
-            raise KvfsError(reason, errno.ENOTCONN)
-        return await link.pull(src)
-
-    def close(self) -> None:
-        if self.rdma is not None:
-            self.rdma.close()
-        if self.shm is not None:
-            self.shm.close()
-
-
-class RpcServer(_TransportChoice):
+class RpcServer(TransportChoice):
     """Serves registered handlers on one TCP port; every connection runs in the server's nursery.
 
     ``transport`` (``auto``/``tcp``/``rdma``; default ``$KVFS_TRANSPORT``, else ``auto``) says whether this server
@@ -956,7 +786,7 @@ class RpcServer(_TransportChoice):
         rdma_factory: rdma.EndpointFactory | None = None,
         shared_memory: bool | None = None,
     ) -> None:
-        self._init_transport(transport, rdma_factory)
+        super().__init__(transport, rdma_factory)
         self.shared_memory = shm.resolve_enabled(shared_memory)
         self._signer = Signer(token)
         self._limits = limits
@@ -974,46 +804,15 @@ class RpcServer(_TransportChoice):
         self._idle = trio.Event()
 
     async def _rdma_connect(self, offer: RdmaOffer, data: memoryview | None, ctx: CallContext) -> RdmaAccept:
-        """The built-in handshake: create and connect a queue pair for this connection, or refuse with why."""
-        if self.transport is TransportMode.TCP:
-            return RdmaAccept.refuse("this server's transport is 'tcp'")
-        factory = self._factory()
-        local = factory.detect()
-        if not local.available:
-            return RdmaAccept.refuse(f"this server cannot use RDMA: {local.reason}")
-        try:
-            endpoint = factory.new_endpoint()
-        except Exception as exc:
-            return self._refuse_rdma(ctx, f"RDMA set-up failed on the server: {_reason(exc)}")
-        try:
-            endpoint.connect(offer)
-            answer = endpoint.offer()
-        except Exception as exc:
-            _close_quietly(endpoint)
-            return self._refuse_rdma(ctx, f"connecting the server's queue pair failed: {_reason(exc)}")
+        """The built-in RDMA handshake (:func:`kvfs.transport.negotiate.accept_rdma`) for the caller's connection."""
         assert ctx.connection is not None
-        ctx.connection.install(rdma.RdmaLink(endpoint, ctx.peer, min_bytes=factory.min_bytes))
-        self.log.info("bulk data with %s by RDMA", ctx.peer)
-        return RdmaAccept(True, answer)
+        return negotiate.accept_rdma(self, offer, ctx.connection, self.log)
 
     async def _shm_connect(self, offer: shm.ShmOffer, data: memoryview | None, ctx: CallContext) -> shm.ShmAccept:
-        """The built-in shared-memory handshake: map the client's arena for this connection, or refuse with why."""
-        if not self.shared_memory:
-            return shm.ShmAccept(False, "shared memory is off on this server")
-        try:
-            arena = shm.PeerArena(offer)
-        except shm.ShmRefused as exc:
-            self.log.info("lent data from %s over TCP: %s", ctx.peer, exc)
-            return shm.ShmAccept(False, str(exc))
+        """The built-in shared-memory handshake (:func:`kvfs.transport.negotiate.accept_shm`) for the caller's
+        connection."""
         assert ctx.connection is not None
-        ctx.connection.install_shm(arena)
-        self.log.info("lent data from %s through shared memory (pid %d)", ctx.peer, offer.pid)
-        return shm.ShmAccept(True)
-
-    def _refuse_rdma(self, ctx: CallContext, reason: str) -> RdmaAccept:
-        RDMA_FALLBACKS.labels("setup").inc()
-        self.log.warning("bulk data with %s over TCP: %s", ctx.peer, reason)
-        return RdmaAccept.refuse(reason)
+        return negotiate.accept_shm(self.shared_memory, offer, ctx.connection, self.log)
 
     def register(self, method: Method, handler: Handler, *, inline: bool = False) -> None:
         """Serve ``method`` with ``handler``. An ``inline`` handler runs in the connection's reader task instead
@@ -1034,8 +833,7 @@ class RpcServer(_TransportChoice):
         if shm.SHM_CONNECT.id not in self._handlers:  # inline: the lent frames that follow find the mapping
             self._handlers[shm.SHM_CONNECT.id] = (shm.SHM_CONNECT, self._shm_connect)
             self._inline.add(shm.SHM_CONNECT.id)
-        if self.transport is TransportMode.AUTO:
-            rdma.note_tcp_only(self._factory().detect())
+        self.note_tcp_only()
         listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:

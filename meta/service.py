@@ -4,7 +4,7 @@ Everything it knows lives in the KV store, so any number of instances can serve 
 instance can answer any client. Each call runs one store operation (one KV transaction). With SQLite a
 transaction is a short local operation, so it runs on the event loop: a worker-thread round trip cost more than
 the transaction, and concurrent writers in threads of one process only collided on SQLite's file lock and retried
-with sleeps (measured: 8 clients' creates went from ~600/s to ~3,000/s). FoundationDB transactions wait on the
+with sleeps. FoundationDB transactions wait on the
 network, so they run in worker threads. Inline transactions also run in the connection's reader task (no task
 per call): the handler has nothing to wait for.
 

@@ -32,7 +32,7 @@ ROOT = Caller(0, 0)
 class Layout(msgspec.Struct, frozen=True):
     """Where a file's chunks live: see :func:`kvfs.chunkserver.placement.chunk_chain`.
 
-    chunk_size is a power of two in [64 KiB, 64 MiB]. The 4 MiB default is measured (README, "Performance"):
+    chunk_size is a power of two in [64 KiB, 64 MiB]. The 4 MiB default:
     every chunk write costs the chunk servers a chain round and two SQLite commits whatever its size (and two
     fsyncs with write-through chunk servers), so 4 MiB chunks halve their CPU per written byte against 1 MiB;
     larger ones gain little more, while each small overwrite copies its whole chunk (copy-on-write) and so

@@ -31,8 +31,8 @@ from kvfs.transport.handshake import (
     decode_offer,
     encode,
 )
-from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode, choose_transport, detect_rdma
-from kvfs.transport.verbs import WrOp, build_rdma_wr, plan_connect, to_pyverbs_wr, wc_error
+from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode, choose_transport
+from kvfs.transport.verbs import WrOp, build_rdma_wr, detect_rdma, plan_connect, to_pyverbs_wr, wc_error
 
 PAGE = 4096
 NO_DEVICE = RdmaAvailability(False, "no RDMA devices found")

@@ -32,7 +32,8 @@ from kvfs.transport.buffers import BufferPool, RemoteBuffer, buffer_address
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaOffer
 from kvfs.transport.link import CallPlan, plan_call, resolve_mode
-from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode, detect_rdma
+from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode
+from kvfs.transport.verbs import detect_rdma
 from kvfs.wire import Limits, Method
 
 TOKEN = "tok"

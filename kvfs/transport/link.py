@@ -30,7 +30,8 @@ from kvfs.errors import KvfsError, ProtocolError
 from kvfs.transport.buffers import BufferPool, RemoteBuffer, Slab
 from kvfs.transport.errors import BufferExhausted, RdmaUnavailable
 from kvfs.transport.handshake import RdmaOffer
-from kvfs.transport.select import RdmaAvailability, TransportMode, detect_rdma
+from kvfs.transport.select import RdmaAvailability, TransportMode
+from kvfs.transport.verbs import detect_rdma
 
 log = logging.getLogger("kvfs.transport")
 

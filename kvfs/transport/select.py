@@ -1,9 +1,10 @@
 """Which transport carries bulk data: TCP always works, RDMA when both ends have a usable device.
 
 Control messages always travel over the TCP RPC; this module only decides whether data sections move by
-RDMA READ/WRITE instead. Detection never raises: a missing ``pyverbs``, a host without an RDMA stack (where
-``get_device_list`` raises rather than returning ``[]``), no devices and no active port all become a
-``reason`` that is logged when ``auto`` falls back to TCP and that ``rdma`` (forced) puts in its error.
+RDMA READ/WRITE instead. It holds the mode, what a device probe found (:class:`RdmaAvailability`) and the
+choice made from it; the probe itself, :func:`kvfs.transport.verbs.detect_rdma`, lives beside the pyverbs code
+it runs, so this module imports nothing that touches a device. An unavailable host carries a ``reason`` that
+is logged when ``auto`` falls back to TCP and that ``rdma`` (forced) puts in its error.
 """
 
 from __future__ import annotations
@@ -53,28 +54,6 @@ class RdmaAvailability:
     reason: str
     devices: list[str] = field(default_factory=list)
     ports: list[ActivePort] = field(default_factory=list)
-
-
-def detect_rdma() -> RdmaAvailability:
-    """Probe the local RDMA devices; never raises (any failure is the ``reason`` it is unavailable)."""
-    from kvfs.transport import verbs  # verbs imports pyverbs itself, lazily
-
-    try:
-        pv = verbs.load_pyverbs()
-    except Exception as exc:  # ImportError, or a broken install that fails while loading its extension
-        return RdmaAvailability(False, f"pyverbs is not importable ({type(exc).__name__}: {exc})")
-    try:
-        devices, ports, notes = verbs.probe_ports(pv)
-    except Exception as exc:
-        # no RDMA kernel stack: get_device_list raises PyverbsRDMAError("Failed to get devices list")
-        return RdmaAvailability(False, f"cannot list RDMA devices ({type(exc).__name__}: {exc})")
-    if not devices:
-        return RdmaAvailability(False, "no RDMA devices found")
-    if not ports:
-        detail = "; ".join(notes) if notes else "no port reports ACTIVE"
-        return RdmaAvailability(False, f"no active RDMA port on {', '.join(devices)} ({detail})", devices)
-    where = ", ".join(f"{p.device}:{p.port}" for p in ports)
-    return RdmaAvailability(True, f"active RDMA port(s): {where}", devices, ports)
 
 
 def choose_transport(

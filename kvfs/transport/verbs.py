@@ -33,7 +33,7 @@ from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout
 from kvfs.transport.buffers import MAX_RDMA_MESSAGE, BufferPool, LocalSge, RemoteBuffer
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
 from kvfs.transport.handshake import RdmaOffer, negotiated_mtu
-from kvfs.transport.select import ActivePort
+from kvfs.transport.select import ActivePort, RdmaAvailability
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,28 @@ def probe_ports(pv: SimpleNamespace) -> tuple[list[str], list[ActivePort], list[
         finally:
             ctx.close()
     return devices, ports, notes
+
+
+def detect_rdma() -> RdmaAvailability:
+    """Probe the local RDMA devices; never raises: a missing or broken ``pyverbs``, a host without an RDMA stack
+    (where ``get_device_list`` raises rather than returning ``[]``), no devices and no active port each become
+    the ``reason`` it is unavailable."""
+    try:
+        pv = load_pyverbs()
+    except Exception as exc:  # ImportError, or a broken install that fails while loading its extension
+        return RdmaAvailability(False, f"pyverbs is not importable ({type(exc).__name__}: {exc})")
+    try:
+        devices, ports, notes = probe_ports(pv)
+    except Exception as exc:
+        # no RDMA kernel stack: get_device_list raises PyverbsRDMAError("Failed to get devices list")
+        return RdmaAvailability(False, f"cannot list RDMA devices ({type(exc).__name__}: {exc})")
+    if not devices:
+        return RdmaAvailability(False, "no RDMA devices found")
+    if not ports:
+        detail = "; ".join(notes) if notes else "no port reports ACTIVE"
+        return RdmaAvailability(False, f"no active RDMA port on {', '.join(devices)} ({detail})", devices)
+    where = ", ".join(f"{p.device}:{p.port}" for p in ports)
+    return RdmaAvailability(True, f"active RDMA port(s): {where}", devices, ports)
 
 
 # ----------------------------------------------------------------------------------- work requests
