@@ -168,3 +168,21 @@ def test_asyncio_variant(kvfs_cluster, ns) -> None:
             assert await akv.remove("p") == 0
 
     asyncio.run(main())
+
+
+def test_metrics(kv) -> None:
+    from prometheus_client import REGISTRY
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = [value(n) for n in ("kvfs_kvclient_hits_total", "kvfs_kvclient_misses_total",
+                                 "kvfs_kvclient_read_bytes_total", "kvfs_kvclient_written_bytes_total")]
+    batches = value("kvfs_kvclient_batch_seconds_count", op="get")
+    kv.put("m", b"12345")
+    kv.put("m", b"12345")  # not rewritten, not counted
+    assert kv.batch_get_into(["m", "absent"], [bytearray(8), bytearray(8)]) == [5, -errno.ENOENT]
+    after = [value(n) for n in ("kvfs_kvclient_hits_total", "kvfs_kvclient_misses_total",
+                                "kvfs_kvclient_read_bytes_total", "kvfs_kvclient_written_bytes_total")]
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 5, 5]
+    assert value("kvfs_kvclient_batch_seconds_count", op="get") == batches + 1
