@@ -186,3 +186,41 @@ def test_metrics(kv) -> None:
                                 "kvfs_kvclient_read_bytes_total", "kvfs_kvclient_written_bytes_total")]
     assert [a - b for a, b in zip(after, before)] == [1, 1, 5, 5]
     assert value("kvfs_kvclient_batch_seconds_count", op="get") == batches + 1
+
+
+def test_many_threads_share_one_client(kv) -> None:
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(5):
+                value = _payload(1000 + i, t * 100 + i)
+                kv.put(f"t{t}-{i}", value)
+                assert kv.get(f"t{t}-{i}") == value
+                kv.put(f"shared-{i}", b"x" * (i + 1))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [kv.get(f"shared-{i}") for i in range(5)] == [b"x" * (i + 1) for i in range(5)]
+
+
+def test_entries_are_files_on_the_mount(kv, kvfs_cluster, ns) -> None:
+    kv.batch_put(["a", "b"], [b"A", b"BB"])
+    d = kvfs_cluster.mount / "kvcache" / ns
+    assert {p.name: p.stat().st_size for p in d.iterdir()} == {"a": 1, "b": 2}
+    (d / "a").unlink()  # rm on the mount is a remove for the client
+    assert kv.batch_exists(["a", "b"]) == [False, True]
+
+
+def test_bad_config(tmp_path) -> None:
+    with pytest.raises(KvfsError):
+        KVClient.from_config(tmp_path / "missing.toml", "ns")
+    (tmp_path / "empty.toml").write_text("")
+    with pytest.raises(KvfsError):
+        KVClient.from_config(tmp_path / "empty.toml", "ns")
