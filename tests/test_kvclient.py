@@ -224,3 +224,19 @@ def test_bad_config(tmp_path) -> None:
     (tmp_path / "empty.toml").write_text("")
     with pytest.raises(KvfsError):
         KVClient.from_config(tmp_path / "empty.toml", "ns")
+
+
+def test_a_put_that_loses_the_rename_race_keeps_the_winner(kv, kvfs_cluster, ns, monkeypatch) -> None:
+    """The existence check missed (as when two puts race): the rename's EEXIST is success, the temp file goes."""
+    kv.put("won", b"winner")
+    core = kv._core
+    real_lookup = core._lookup
+
+    async def blind_lookup(key: bytes):
+        return None if key == b"won" else await real_lookup(key)
+
+    monkeypatch.setattr(core, "_lookup", blind_lookup)
+    kv.put("won", b"loser, longer than the winner")
+    monkeypatch.undo()
+    assert kv.get("won") == b"winner"
+    assert sorted(os.listdir(kvfs_cluster.mount / "kvcache" / ns)) == ["won"]
