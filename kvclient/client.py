@@ -196,6 +196,9 @@ class _Core:
         if attr is None:
             MISSES.inc()
             return -errno.ENOENT
+        return await self._read(key, attr, out)
+
+    async def _read(self, key: bytes, attr: Any, out: memoryview) -> int:
         size = attr.size
         if size > len(out):
             raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
@@ -215,11 +218,7 @@ class _Core:
             MISSES.inc()
             return None
         buf = bytearray(attr.size)
-        n = await self.get_into(key, memoryview(buf))
-        if n < 0:
-            return None
-        if n != len(buf):  # replaced meanwhile? entries are write-once, so only a remove + put gets here
-            del buf[n:]
+        await self._read(key, attr, memoryview(buf))
         return bytes(buf)
 
     async def remove(self, key: bytes) -> int:
