@@ -1,1 +1,6 @@
-"""kvfs component."""
+"""kvclient: the KV-cache library that bypasses FUSE (see README.md in this folder)."""
+
+from .client import AsyncKVClient, BufferTooSmall, ClientClosed, InvalidKey, KVClient, RegisteredBuffer, ShortObject
+
+__all__ = ["AsyncKVClient", "BufferTooSmall", "ClientClosed", "InvalidKey", "KVClient", "RegisteredBuffer",
+           "ShortObject"]

@@ -71,10 +71,10 @@ def test_import_contracts_hold(installed: Path) -> None:
     assert "BROKEN" not in result.stdout
 
 
-@pytest.mark.parametrize("entry", ["kvfs.fuse.main", "kvfs.chunkserver.client", "kvfs.meta.client"])
+@pytest.mark.parametrize("entry", ["kvfs.fuse.main", "kvfs.chunkserver.client", "kvfs.meta.client", "kvfs.kvclient"])
 def test_a_client_loads_no_server_code(entry: str) -> None:
     """A fresh interpreter importing a client's entry module: no server module, chunk engine or KV engine."""
     probe = f"import sys, {entry}; print('\\n'.join(sorted(m for m in sys.modules if m.startswith('kvfs'))))"
     loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
     assert entry in loaded
-    assert [m for m in loaded if m.startswith(SERVER_MODULES)] == []
+    assert [m for m in loaded if m in SERVER_MODULES or m.startswith(tuple(s + "." for s in SERVER_MODULES))] == []

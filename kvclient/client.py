@@ -1,0 +1,473 @@
+"""KVClient: a put/get library for KV-cache blocks over kvfs that bypasses FUSE (see kvclient/README.md).
+
+Entries are ordinary files under ``/kvcache/<namespace>/<key>``. The client talks to ``kvfs meta`` (RemoteMeta)
+and the chunk servers (StorageClient) directly, from a trio event loop in its own thread; public calls block on
+that loop and are safe from any number of threads. :class:`AsyncKVClient` gives asyncio callers the same calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import os
+import secrets
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import trio
+from prometheus_client import Counter, Histogram
+
+from kvfs.chunkserver.client import StorageClient
+from kvfs.chunkserver.protocol import CHUNK_LIMITS
+from kvfs.config import ClusterConfig, load_config
+from kvfs.craq.client import MgmtdClient
+from kvfs.errors import KvfsError
+from kvfs.meta.client import RemoteMeta
+from kvfs.meta.posix import NAME_MAX, RENAME_NOREPLACE, ROOT_INO
+from kvfs.meta.types import Caller
+from kvfs.rpc import RpcClient
+
+ROOT_DIR = b"kvcache"
+_TMP_PREFIX = b".put-"
+
+HITS = Counter("kvfs_kvclient_hits", "kvclient gets that found their key")
+MISSES = Counter("kvfs_kvclient_misses", "kvclient gets whose key was absent")
+BYTES_READ = Counter("kvfs_kvclient_read_bytes", "bytes kvclient read into callers' buffers")
+BYTES_WRITTEN = Counter("kvfs_kvclient_written_bytes", "bytes kvclient wrote (new objects only)")
+BATCH_SECONDS = Histogram("kvfs_kvclient_batch_seconds", "kvclient batch call latency", ["op"])
+
+
+class InvalidKey(KvfsError):
+    """A key that cannot name an entry: empty, longer than 255 bytes encoded, or holding '/' or NUL."""
+
+    default_errno = errno.EINVAL
+
+
+class BufferTooSmall(KvfsError):
+    """The caller's buffer cannot hold the whole object (nothing is read)."""
+
+    default_errno = errno.EMSGSIZE
+
+
+class ShortObject(KvfsError):
+    """Fewer bytes arrived than the object holds: an error, never a silent short read."""
+
+    default_errno = errno.EIO
+
+
+class ClientClosed(KvfsError):
+    default_errno = errno.EBADF
+
+
+def _key(key: str | bytes) -> bytes:
+    if isinstance(key, str):
+        key = key.encode()
+    elif not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"a key is str or bytes, not {type(key).__name__}")
+    key = bytes(key)
+    if not key:
+        raise InvalidKey("empty key")
+    if len(key) > NAME_MAX:
+        raise InvalidKey(f"key of {len(key)} bytes; at most {NAME_MAX}", errno.ENAMETOOLONG)
+    if b"/" in key or b"\0" in key:
+        raise InvalidKey("a key may not hold '/' or NUL")
+    if key in (b".", b"..") or key.startswith(_TMP_PREFIX):
+        raise InvalidKey(f"reserved key {key!r}")
+    return key
+
+
+class RegisteredBuffer:
+    """Host memory at a raw address, registered with :meth:`KVClient.register_buffer`; usable as a value or an
+    output buffer (it supports the buffer protocol through ``view``)."""
+
+    def __init__(self, ptr: int, size: int, device: str) -> None:
+        self.ptr, self.size, self.device = ptr, size, device
+        self.view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(b"")
+
+
+def _as_view(value: Any, *, writable: bool) -> memoryview:
+    """A flat byte view of a value without copying; torch tensors on the CPU go through ``.numpy()``."""
+    if isinstance(value, RegisteredBuffer):
+        return value.view
+    if hasattr(value, "is_cuda") and hasattr(value, "numpy"):  # torch.Tensor
+        if value.is_cuda:
+            raise TypeError("GPU tensors are not supported yet (capabilities()['gpu'] is False)")
+        value = value.detach().numpy()
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise TypeError(f"{type(value).__name__} does not support the buffer protocol") from None
+    if not view.c_contiguous:
+        raise TypeError("the buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise TypeError("the output buffer is read-only")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+class _Core:
+    """The trio side: everything here runs on the client's event loop."""
+
+    def __init__(self, meta: RemoteMeta, storage: StorageClient, namespace: bytes, parallel: int) -> None:
+        self.meta = meta
+        self.storage = storage
+        self.namespace = namespace
+        self.caller = Caller(os.getuid(), os.getgid(), client=meta.client_id)
+        self.limit = trio.CapacityLimiter(parallel)
+        self._dir: int | None = None
+        self._dir_lock = trio.Lock()
+
+    async def _subdir(self, parent: int, name: bytes) -> int:
+        try:
+            return (await self.meta.lookup(self.caller, parent, name)).ino
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        try:
+            return (await self.meta.mkdir(self.caller, parent, name, 0o755)).ino
+        except OSError as e:
+            if e.errno != errno.EEXIST:
+                raise
+            return (await self.meta.lookup(self.caller, parent, name)).ino
+
+    async def ns_dir(self, create: bool) -> int | None:
+        if self._dir is not None:
+            return self._dir
+        async with self._dir_lock:
+            if self._dir is None:
+                if create:
+                    self._dir = await self._subdir(await self._subdir(ROOT_INO, ROOT_DIR), self.namespace)
+                else:
+                    try:
+                        self._dir = (await self.meta.resolve(self.caller, b"/" + ROOT_DIR + b"/" + self.namespace)).ino
+                    except OSError as e:
+                        if e.errno != errno.ENOENT:
+                            raise
+        return self._dir
+
+    async def _lookup(self, key: bytes) -> Any:
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return None
+        try:
+            return await self.meta.lookup(self.caller, d, key)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None
+            raise
+
+    async def put(self, key: bytes, view: memoryview) -> None:
+        if await self._lookup(key) is not None:
+            return  # written once: an existing entry is complete by construction
+        d = await self.ns_dir(create=True)
+        assert d is not None
+        tmp = _TMP_PREFIX + secrets.token_hex(8).encode()
+        opened = await self.meta.create(self.caller, d, tmp, 0o644, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        ino, size = opened.attr.ino, len(view)
+        renamed = False
+        try:
+            try:
+                if size:
+                    layout = opened.layout or await self.meta.get_layout(self.caller, ino)
+                    async with self.limit:
+                        await self.storage.write(ino, layout, 0, view)  # returns once every replica has it
+                    await self.meta.set_length(self.caller, ino, opened.session, size)
+            finally:
+                await self.meta.close(self.caller, ino, opened.session, size)
+            try:
+                await self.meta.rename(self.caller, d, tmp, d, key, RENAME_NOREPLACE)
+                renamed = True
+                BYTES_WRITTEN.inc(size)
+            except OSError as e:
+                if e.errno != errno.EEXIST:  # EEXIST: another put of this key won; its value stands
+                    raise
+        finally:
+            if not renamed:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.meta.unlink(self.caller, d, tmp)
+                    except OSError:
+                        pass
+
+    async def get_into(self, key: bytes, out: memoryview) -> int:
+        attr = await self._lookup(key)
+        if attr is None:
+            MISSES.inc()
+            return -errno.ENOENT
+        return await self._read(key, attr, out)
+
+    async def _read(self, key: bytes, attr: Any, out: memoryview) -> int:
+        size = attr.size
+        if size > len(out):
+            raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
+        if size:
+            layout = await self.meta.get_layout(self.caller, attr.ino)
+            async with self.limit:
+                n = await self.storage.read(attr.ino, layout, 0, out[:size])
+            if n != size:
+                raise ShortObject(f"read {n} of {size} bytes of {key!r}")
+        HITS.inc()
+        BYTES_READ.inc(size)
+        return size
+
+    async def get(self, key: bytes) -> bytes | None:
+        attr = await self._lookup(key)
+        if attr is None:
+            MISSES.inc()
+            return None
+        buf = bytearray(attr.size)
+        await self._read(key, attr, memoryview(buf))
+        return bytes(buf)
+
+    async def remove(self, key: bytes) -> int:
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return -errno.ENOENT
+        try:
+            await self.meta.unlink(self.caller, d, key)
+            return 0
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return -errno.ENOENT
+            raise
+
+    async def batch(self, fn: Callable[..., Awaitable[Any]], items: Sequence[tuple]) -> list[Any]:
+        """Run ``fn(*item)`` for every item concurrently; a per-item OSError becomes ``-errno``."""
+        results: list[Any] = [0] * len(items)
+
+        async def one(i: int, args: tuple) -> None:
+            try:
+                r = await fn(*args)
+                results[i] = 0 if r is None else r
+            except OSError as e:
+                results[i] = -(e.errno or errno.EIO)
+
+        async with trio.open_nursery() as nursery:
+            for i, args in enumerate(items):
+                nursery.start_soon(one, i, args)
+        return results
+
+
+class KVClient:
+    """Blocking, thread-safe client; one trio loop in a background thread does the I/O."""
+
+    def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16) -> None:
+        self.namespace = _key(namespace)
+        if not config.meta or not config.mgmtd:
+            raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
+        self._config = config
+        self._parallel = parallel
+        self._registered: dict[int, RegisteredBuffer] = {}
+        self._closed = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._core: _Core | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvclient-trio", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._closed = True
+            raise self._error
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], namespace: str | bytes, **kw: Any) -> KVClient:
+        """A client for the cluster a client config names (``kvfs up`` writes DATA/client.toml)."""
+        return cls(load_config(path), namespace, **kw)
+
+    # ---------------------------------------------------------------------------- the loop thread
+    def _run(self) -> None:
+        config = self._config
+
+        async def main() -> None:
+            t = config.timeouts
+            try:
+                rpc_cm = RpcClient(config.resolved_token(), limits=CHUNK_LIMITS, connect_timeout=t.connect,
+                                   call_timeout=t.call, transport=config.resolved_transport(),
+                                   shared_memory=config.resolved_shared_memory())
+                async with rpc_cm as rpc:
+                    meta = RemoteMeta(rpc, config.meta)
+                    storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=t.call)
+                    self._core = _Core(meta, storage, self.namespace, self._parallel)
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._stop = trio.Event()
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(meta.keep_alive)
+                        self._ready.set()
+                        await self._stop.wait()
+                        nursery.cancel_scope.cancel()
+                    rpc.close()
+            except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+                if not self._ready.is_set():
+                    self._error = exc
+                raise
+            finally:
+                self._ready.set()
+
+        try:
+            trio.run(main)
+        except BaseException:  # noqa: BLE001 - already handed to the constructor, or a shutdown
+            pass
+
+    def _call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        if self._closed or self._token is None:
+            raise ClientClosed("the client is closed")
+        try:
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise ClientClosed("the client is closed") from None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(30)
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------------- the API
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
+            "transport": self._config.resolved_transport(),
+            "short_circuit": False,
+            "short_circuit_reason": "not implemented yet: every read goes through the chunk servers",
+            "gds": False,
+            "gds_reason": "GPUDirect Storage is not implemented",
+            "gpu": False,
+            "gpu_reason": "values and buffers must be host memory for now",
+        }
+
+    def register_buffer(self, ptr: int, size: int, device: str = "cpu") -> RegisteredBuffer:
+        """Register host memory at a raw address; pass the returned object as a value or output buffer."""
+        if device != "cpu":
+            raise ValueError(f"device {device!r} is not supported yet; only 'cpu'")
+        if not isinstance(ptr, int) or not isinstance(size, int) or size < 0 or (ptr == 0 and size):
+            raise ValueError("register_buffer needs an address and a size >= 0")
+        buf = RegisteredBuffer(ptr, size, device)
+        self._registered[ptr] = buf
+        return buf
+
+    def unregister_buffer(self, buf: RegisteredBuffer) -> None:
+        self._registered.pop(buf.ptr, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("the client is closed")
+
+    def put(self, key: str | bytes, value: Any) -> None:
+        self._check_open()
+        k, view = _key(key), _as_view(value, writable=False)
+        self._call(self._core.put, k, view)  # type: ignore[union-attr]
+
+    def batch_put(self, keys: Sequence[str | bytes], values: Sequence[Any]) -> list[int]:
+        """0 or -errno per key; bad keys or values raise before anything is written."""
+        self._check_open()
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        items = [(_key(k), _as_view(v, writable=False)) for k, v in zip(keys, values)]
+        with BATCH_SECONDS.labels("put").time():
+            return self._call(self._core.batch, self._core.put, items)  # type: ignore[union-attr]
+
+    def get_into(self, key: str | bytes, out: Any) -> int:
+        """Bytes read into ``out`` (no copy on the way), or -ENOENT; a too-small buffer raises BufferTooSmall."""
+        self._check_open()
+        k, view = _key(key), _as_view(out, writable=True)
+        return self._call(self._core.get_into, k, view)  # type: ignore[union-attr]
+
+    def batch_get_into(self, keys: Sequence[str | bytes], outs: Sequence[Any]) -> list[int]:
+        """Bytes read per key, or -ENOENT, -EMSGSIZE (buffer too small), -errno."""
+        self._check_open()
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
+        items = [(_key(k), _as_view(o, writable=True)) for k, o in zip(keys, outs)]
+        with BATCH_SECONDS.labels("get").time():
+            return self._call(self._core.batch, self._core.get_into, items)  # type: ignore[union-attr]
+
+    def get(self, key: str | bytes) -> bytes | None:
+        self._check_open()
+        return self._call(self._core.get, _key(key))  # type: ignore[union-attr]
+
+    def batch_exists(self, keys: Sequence[str | bytes]) -> list[bool]:
+        self._check_open()
+        items = [(_key(k),) for k in keys]
+
+        async def exists(k: bytes) -> int:
+            return 1 if await self._core._lookup(k) is not None else 0  # type: ignore[union-attr]
+
+        with BATCH_SECONDS.labels("exists").time():
+            found = self._call(self._core.batch, exists, items)  # type: ignore[union-attr]
+        for r in found:
+            if r < 0:
+                raise KvfsError(f"lookup failed: {os.strerror(-r)}", -r)
+        return [r == 1 for r in found]
+
+    def prefix_hits(self, keys: Sequence[str | bytes]) -> int:
+        """How many leading keys are present (the usable prefix of a token sequence's blocks)."""
+        n = 0
+        for present in self.batch_exists(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def remove(self, key: str | bytes) -> int:
+        """0, or -ENOENT if there was no such key."""
+        self._check_open()
+        return self._call(self._core.remove, _key(key))  # type: ignore[union-attr]
+
+    def batch_remove(self, keys: Sequence[str | bytes]) -> list[int]:
+        self._check_open()
+        items = [(_key(k),) for k in keys]
+        with BATCH_SECONDS.labels("remove").time():
+            return self._call(self._core.batch, self._core.remove, items)  # type: ignore[union-attr]
+
+
+class AsyncKVClient:
+    """The same API for asyncio callers: each call runs the blocking client in a worker thread."""
+
+    def __init__(self, client: KVClient, *, workers: int = 8) -> None:
+        self.client = client
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvclient-aio")
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], namespace: str | bytes, **kw: Any) -> AsyncKVClient:
+        return cls(KVClient.from_config(path, namespace, **kw))
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def close(self) -> None:
+        await self._run(self.client.close)
+        self._pool.shutdown(wait=False)
+
+    async def __aenter__(self) -> AsyncKVClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def capabilities(self) -> dict[str, Any]:
+        return self.client.capabilities()
+
+    async def put(self, key, value): return await self._run(self.client.put, key, value)  # noqa: E704
+    async def batch_put(self, keys, values): return await self._run(self.client.batch_put, keys, values)  # noqa: E704
+    async def get_into(self, key, out): return await self._run(self.client.get_into, key, out)  # noqa: E704
+    async def batch_get_into(self, keys, outs): return await self._run(self.client.batch_get_into, keys, outs)  # noqa: E704,E501
+    async def get(self, key): return await self._run(self.client.get, key)  # noqa: E704
+    async def batch_exists(self, keys): return await self._run(self.client.batch_exists, keys)  # noqa: E704
+    async def prefix_hits(self, keys): return await self._run(self.client.prefix_hits, keys)  # noqa: E704
+    async def remove(self, key): return await self._run(self.client.remove, key)  # noqa: E704
+    async def batch_remove(self, keys): return await self._run(self.client.batch_remove, keys)  # noqa: E704

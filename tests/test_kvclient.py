@@ -1,0 +1,242 @@
+"""kvclient against a real cluster (``kvfs up``) and its mount: API, write-once semantics, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import errno
+import itertools
+import os
+import random
+import threading
+
+import pytest
+
+from cluster_fixtures import NEEDS_FUSE
+from kvfs.errors import KvfsError
+from kvfs.kvclient import AsyncKVClient, BufferTooSmall, ClientClosed, InvalidKey, KVClient
+
+pytest_plugins = ["cluster_fixtures"]
+pytestmark = [NEEDS_FUSE, pytest.mark.timeout(300)]
+
+_ns = itertools.count()
+MIB = 1 << 20
+
+
+@pytest.fixture
+def ns(request) -> str:
+    return f"t{next(_ns)}-{os.getpid()}-" + "".join(c if c.isalnum() else "_" for c in request.node.name)[:40]
+
+
+@pytest.fixture
+def kv(kvfs_cluster, ns):
+    with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as client:
+        yield client
+
+
+def _payload(n: int, seed: int = 1) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@pytest.mark.parametrize("size", [0, 1, MIB, 4 * MIB + 12345])
+def test_round_trip_and_visible_on_the_mount(kvfs_cluster, kv, ns, size) -> None:
+    data = _payload(size)
+    kv.put("k", data)
+    assert kv.get("k") == data
+    out = bytearray(size + 7)
+    assert kv.get_into("k", out) == size
+    assert bytes(out[:size]) == data
+    path = kvfs_cluster.mount / "kvcache" / ns / "k"
+    assert path.read_bytes() == data
+    assert sorted(os.listdir(path.parent)) == ["k"]  # no temp file left behind
+
+
+def test_numpy_registered_buffer_and_too_small(kv) -> None:
+    np = pytest.importorskip("numpy")
+    arr = np.arange(1000, dtype=np.float32)
+    kv.put(b"np", arr)
+    back = np.empty_like(arr)
+    assert kv.get_into("np", back) == arr.nbytes
+    assert np.array_equal(arr, back)
+    raw = (ctypes.c_char * arr.nbytes)()
+    reg = kv.register_buffer(ctypes.addressof(raw), arr.nbytes)
+    assert kv.get_into("np", reg) == arr.nbytes and bytes(raw) == arr.tobytes()
+    kv.put("raw", reg)
+    assert kv.get("raw") == arr.tobytes()
+    with pytest.raises(BufferTooSmall) as e:
+        kv.get_into("np", bytearray(10))
+    assert e.value.errno == errno.EMSGSIZE
+    with pytest.raises(TypeError):
+        kv.get_into("np", b"\0" * 8000)  # read-only
+    with pytest.raises(ValueError):
+        kv.register_buffer(1234, 10, device="cuda:0")
+
+
+def test_batches_prefix_hits_remove(kv) -> None:
+    vals = [_payload(100 * i + 1, i) for i in range(5)]
+    assert kv.batch_put(["a", "b", "c", "d", "e"], vals) == [0] * 5
+    assert kv.batch_exists(["a", "x", "c"]) == [True, False, True]
+    assert kv.prefix_hits(["a", "b", "c", "x", "d"]) == 3
+    assert kv.prefix_hits(["x", "a"]) == 0
+    outs = [bytearray(1000) for _ in range(4)]
+    outs[3] = bytearray(5)
+    assert kv.batch_get_into(["a", "zz", "c", "e"], outs) == [1, -errno.ENOENT, 201, -errno.EMSGSIZE]
+    assert bytes(outs[0][:1]) == vals[0] and bytes(outs[2][:201]) == vals[2]
+    assert kv.remove("a") == 0 and kv.remove("a") == -errno.ENOENT
+    assert kv.get("a") is None and kv.get_into("a", bytearray(5)) == -errno.ENOENT
+    assert kv.batch_remove(["b", "nope", "c"]) == [0, -errno.ENOENT, 0]
+    assert kv.prefix_hits(["d", "e"]) == 2
+
+
+def test_put_is_write_once(kv, kvfs_cluster, ns) -> None:
+    kv.put("once", b"first")
+    kv.put("once", b"second value")  # succeeds without rewriting
+    assert kv.get("once") == b"first"
+    assert kv.batch_put(["once"], [b"third"]) == [0]
+    assert kv.get("once") == b"first"
+
+
+def test_concurrent_puts_of_one_key(kv, kvfs_cluster, ns) -> None:
+    a, b = _payload(5 * MIB, 1), _payload(5 * MIB, 2)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def put(v: bytes) -> None:
+        try:
+            barrier.wait()
+            kv.put("race", v)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=put, args=(v,)) for v in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    got = kv.get("race")
+    assert got in (a, b)
+    assert (kvfs_cluster.mount / "kvcache" / ns / "race").read_bytes() == got
+    assert sorted(os.listdir(kvfs_cluster.mount / "kvcache" / ns)) == ["race"]
+
+
+@pytest.mark.parametrize("key,code", [("", errno.EINVAL), ("a/b", errno.EINVAL), ("a\0b", errno.EINVAL),
+                                      ("x" * 256, errno.ENAMETOOLONG), ("é" * 128, errno.ENAMETOOLONG),
+                                      ("..", errno.EINVAL)])
+def test_bad_keys_change_nothing(kv, kvfs_cluster, ns, key, code) -> None:
+    kv.put("good", b"1")
+    for call in (lambda: kv.put(key, b"v"), lambda: kv.get(key), lambda: kv.get_into(key, bytearray(4)),
+                 lambda: kv.batch_put(["ok2", key], [b"v", b"v"]), lambda: kv.batch_exists([key]),
+                 lambda: kv.remove(key)):
+        with pytest.raises(InvalidKey) as e:
+            call()
+        assert e.value.errno == code
+    assert sorted(os.listdir(kvfs_cluster.mount / "kvcache" / ns)) == ["good"]
+
+
+def test_bad_values(kv) -> None:
+    with pytest.raises(TypeError):
+        kv.put("k", 12345)
+    with pytest.raises(TypeError):
+        kv.put("k", memoryview(bytearray(10))[::2])  # not contiguous
+    with pytest.raises(ValueError):
+        kv.batch_put(["a", "b"], [b"x"])
+    assert kv.batch_exists(["k", "a"]) == [False, False]
+
+
+def test_closed_client(kvfs_cluster, ns) -> None:
+    kv = KVClient.from_config(kvfs_cluster.data / "client.toml", ns)
+    kv.put("k", b"v")
+    kv.close()
+    kv.close()  # idempotent
+    for call in (lambda: kv.put("k", b"v"), lambda: kv.get("k"), lambda: kv.batch_exists(["k"])):
+        with pytest.raises(ClientClosed) as e:
+            call()
+        assert isinstance(e.value, KvfsError) and e.value.errno == errno.EBADF
+    assert kv.capabilities()["gpu"] is False and kv.capabilities()["short_circuit"] is False
+
+
+def test_asyncio_variant(kvfs_cluster, ns) -> None:
+    async def main() -> None:
+        async with AsyncKVClient.from_config(kvfs_cluster.data / "client.toml", ns) as akv:
+            await akv.batch_put(["p", "q"], [b"pp", b"qqq"])
+            assert await akv.get("p") == b"pp"
+            out = bytearray(3)
+            assert await akv.get_into("q", out) == 3 and out == b"qqq"
+            assert await asyncio.gather(akv.batch_exists(["p", "z"]), akv.prefix_hits(["p", "q", "z"])) \
+                == [[True, False], 2]
+            assert await akv.remove("p") == 0
+
+    asyncio.run(main())
+
+
+def test_metrics(kv) -> None:
+    from prometheus_client import REGISTRY
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = [value(n) for n in ("kvfs_kvclient_hits_total", "kvfs_kvclient_misses_total",
+                                 "kvfs_kvclient_read_bytes_total", "kvfs_kvclient_written_bytes_total")]
+    batches = value("kvfs_kvclient_batch_seconds_count", op="get")
+    kv.put("m", b"12345")
+    kv.put("m", b"12345")  # not rewritten, not counted
+    assert kv.batch_get_into(["m", "absent"], [bytearray(8), bytearray(8)]) == [5, -errno.ENOENT]
+    after = [value(n) for n in ("kvfs_kvclient_hits_total", "kvfs_kvclient_misses_total",
+                                "kvfs_kvclient_read_bytes_total", "kvfs_kvclient_written_bytes_total")]
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 5, 5]
+    assert value("kvfs_kvclient_batch_seconds_count", op="get") == batches + 1
+
+
+def test_many_threads_share_one_client(kv) -> None:
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(5):
+                value = _payload(1000 + i, t * 100 + i)
+                kv.put(f"t{t}-{i}", value)
+                assert kv.get(f"t{t}-{i}") == value
+                kv.put(f"shared-{i}", b"x" * (i + 1))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [kv.get(f"shared-{i}") for i in range(5)] == [b"x" * (i + 1) for i in range(5)]
+
+
+def test_entries_are_files_on_the_mount(kv, kvfs_cluster, ns) -> None:
+    kv.batch_put(["a", "b"], [b"A", b"BB"])
+    d = kvfs_cluster.mount / "kvcache" / ns
+    assert {p.name: p.stat().st_size for p in d.iterdir()} == {"a": 1, "b": 2}
+    (d / "a").unlink()  # rm on the mount is a remove for the client
+    assert kv.batch_exists(["a", "b"]) == [False, True]
+
+
+def test_bad_config(tmp_path) -> None:
+    with pytest.raises(KvfsError):
+        KVClient.from_config(tmp_path / "missing.toml", "ns")
+    (tmp_path / "empty.toml").write_text("")
+    with pytest.raises(KvfsError):
+        KVClient.from_config(tmp_path / "empty.toml", "ns")
+
+
+def test_a_put_that_loses_the_rename_race_keeps_the_winner(kv, kvfs_cluster, ns, monkeypatch) -> None:
+    """The existence check missed (as when two puts race): the rename's EEXIST is success, the temp file goes."""
+    kv.put("won", b"winner")
+    core = kv._core
+    real_lookup = core._lookup
+
+    async def blind_lookup(key: bytes):
+        return None if key == b"won" else await real_lookup(key)
+
+    monkeypatch.setattr(core, "_lookup", blind_lookup)
+    kv.put("won", b"loser, longer than the winner")
+    monkeypatch.undo()
+    assert kv.get("won") == b"winner"
+    assert sorted(os.listdir(kvfs_cluster.mount / "kvcache" / ns)) == ["won"]
