@@ -7,6 +7,7 @@ Hosts (tests/netns_hosts.py: network namespaces on a bridge of the test's own, e
     kvfs3  chunk server, two targets           > replication 3: two chains
     kvfs4  chunk server, two targets          /
     kvfs5  client mount
+    kvfs6  joins as a fourth chunk server through add_chunkserver.yml
 
 Services run under start-stop-daemon (this machine has no systemd), with the same command lines the systemd
 units get; the units are rendered and checked by ``systemd-analyze verify`` in a test of their own. The hosts
@@ -260,14 +261,14 @@ class Rollout:
         self.runs = 0
         self.write_inventory()
 
-    def write_inventory(self) -> None:
-        (self.inventory / "group_vars").mkdir(parents=True)
-        (self.inventory / "host_vars").mkdir()
+    def write_inventory(self, chunkservers: dict[str, int] = CHUNKSERVERS) -> None:
+        (self.inventory / "group_vars").mkdir(parents=True, exist_ok=True)
+        (self.inventory / "host_vars").mkdir(exist_ok=True)
         hosts = {
             "kvfs": {"children": {
                 "mgmtd": {"hosts": {MANAGERS: None}},
                 "meta": {"hosts": {MANAGERS: None}},
-                "chunkserver": {"hosts": {name: {"kvfs_node_id": node} for name, node in CHUNKSERVERS.items()}},
+                "chunkserver": {"hosts": {name: {"kvfs_node_id": node} for name, node in chunkservers.items()}},
                 "client": {"hosts": {name: None for name in CLIENTS}},
                 "foundationdb": {"hosts": {}},
             }},
@@ -365,7 +366,7 @@ def rollout() -> Iterator[Rollout]:
     if problems:
         pytest.skip(f"missing: {', '.join(problems)}")
     user_existed = subprocess.run(["id", SERVICE_USER], capture_output=True).returncode == 0
-    with Lab(5) as lab:
+    with Lab(6) as lab:
         try:
             wheelhouse = lab.base / "wheelhouse"
             build_wheelhouse(wheelhouse)
@@ -403,7 +404,7 @@ def test_rollout_restart_teardown(rollout: Rollout, capsys: pytest.CaptureFixtur
     started = time.monotonic()
     output, recap = rollout.playbook("site.yml")
     timings["site.yml"] = time.monotonic() - started
-    assert set(recap) == {h.name for h in rollout.lab.hosts}, output[-3000:]
+    assert set(recap) == {h.name for h in rollout.lab.hosts} - {"kvfs6"}, output[-3000:]
     assert all(counts["failed"] == 0 and counts["unreachable"] == 0 for counts in recap.values()), recap
     roles = {h.name: " ".join(rollout.kvfs_processes(h)) for h in rollout.lab.hosts}
     assert " mgmtd " in roles["kvfs1"] and " meta " in roles["kvfs1"] and " mount " in roles["kvfs1"]
@@ -412,6 +413,7 @@ def test_rollout_restart_teardown(rollout: Rollout, capsys: pytest.CaptureFixtur
                in roles[name], roles[name]
         assert " mount " not in roles[name] and " mgmtd " not in roles[name]
     assert " mount " in roles["kvfs5"] and " chunkserver " not in roles["kvfs5"]
+    assert roles["kvfs6"] == ""
     mounted = rollout.lab.mounts()
     assert sorted(mounted) == sorted(rollout.mount_point(h) for h in CLIENTS), mounted
 
@@ -496,7 +498,21 @@ def test_rollout_restart_teardown(rollout: Rollout, capsys: pytest.CaptureFixtur
         keep = Path(os.environ["KVFS_ANSIBLE_LOG_DIR"])
         shutil.copy(manifest, keep / "writer-manifest")
         for host in rollout.lab.hosts:
-            shutil.copytree(host.kvfs_root / "var" / "log" / "kvfs", keep / host.name, dirs_exist_ok=True)
+            if (host.kvfs_root / "var" / "log" / "kvfs").exists():
+                shutil.copytree(host.kvfs_root / "var" / "log" / "kvfs", keep / host.name, dirs_exist_ok=True)
+
+    # ---- add_chunkserver.yml: kvfs6 joins; the running chunk servers are left as they are
+    rollout.write_inventory({**CHUNKSERVERS, "kvfs6": 4})
+    started = time.monotonic()
+    output, recap = rollout.playbook("add_chunkserver.yml")
+    timings["add_chunkserver.yml"] = time.monotonic() - started
+    assert recap["kvfs6"]["changed"] > 0 and not any(recap[name]["changed"] for name in CHUNKSERVERS), recap
+    assert "chunkserver --config" in " ".join(rollout.kvfs_processes(rollout.hosts["kvfs6"]))
+    status = json.loads(rollout.ssh("kvfs1", f"{rollout.hosts['kvfs1'].kvfs_root}/opt/kvfs/venv/bin/kvfs admin status "
+                                    f"--json --config {rollout.hosts['kvfs1'].kvfs_root}/etc/kvfs/mgmtd.toml").stdout)
+    assert {n["node_id"]: sorted(n["targets"]) for n in status["nodes"] if n["alive"]}[4] == [400, 401]
+    # Two targets on one server cannot make a chain of three: they wait, and the playbook says so.
+    assert len(status["routing"]["chains"]) == 2 and "Targets 400, 401 are in no chain yet" in output
 
     # ---- teardown.yml leaves nothing behind
     started = time.monotonic()
