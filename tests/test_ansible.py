@@ -184,12 +184,10 @@ def test_templates_render(tmp_path: Path) -> None:
         units[name] = out / f"{name}.service"
     assert "--target=/srv/kvfs/disk1" in (out / "chunkserver.argv.json").read_text()
     assert "ExecStop=-/bin/fusermount3 -u /mnt/kvfs" in units["kvfs-mount"].read_text()
-    if shutil.which("systemd-analyze"):
+    if shutil.which("systemd-analyze"):  # offline: it reads the unit files, it needs no running systemd
         verify = subprocess.run(["systemd-analyze", "verify", *map(str, units.values())], capture_output=True,
                                 text=True, timeout=60)
-        problems = [line for line in (verify.stdout + verify.stderr).splitlines()
-                    if any(name in line for name in units) and "User=" not in line]
-        assert verify.returncode == 0 or not problems, verify.stdout + verify.stderr
+        assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
 def test_foundationdb_install() -> None:
