@@ -19,6 +19,7 @@ would between real hosts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -437,7 +438,7 @@ def test_rollout_restart_teardown(rollout: Rollout, capsys: pytest.CaptureFixtur
 
     # ---- a file written through the mount on one host reads back byte-exact through the mount on another
     payload = os.urandom(5 * CHUNK_SIZE + 12345)
-    digest = __import__("hashlib").sha256(payload).hexdigest()
+    digest = hashlib.sha256(payload).hexdigest()
     rollout.ssh("kvfs1", f"cat > {rollout.mount_point('kvfs1')}/hello.bin && sync", input=payload)
     readback = rollout.ssh("kvfs5", f"sha256sum {rollout.mount_point('kvfs5')}/hello.bin").stdout.split()[0]
     assert readback == digest
