@@ -3,7 +3,8 @@ VENV   ?= .venv
 PYTHON ?= python3
 DATA   ?= .kvfs
 MOUNT  ?= mnt
-DEB_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git
+DEB_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git \
+                openssh-server openssh-client iproute2 python3-apt
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
