@@ -189,8 +189,14 @@ class SlotFiles:
 
     def read(self, cls: int, buffers: list[memoryview], offset: int, nowait: bool) -> int:
         """Read into ``buffers`` from ``offset`` of slot file ``cls`` through the page cache; ``nowait``: only what
-        is cached (``RWF_NOWAIT``)."""
-        return os.preadv(self.files[cls].fd, buffers, offset, os.RWF_NOWAIT if nowait else 0)
+        is cached (``RWF_NOWAIT``), else BlockingIOError, which the caller answers by reading in a thread. A file
+        system without ``RWF_NOWAIT`` (tmpfs says EOPNOTSUPP) is treated the same way."""
+        try:
+            return os.preadv(self.files[cls].fd, buffers, offset, os.RWF_NOWAIT if nowait else 0)
+        except OSError as exc:
+            if nowait and exc.errno == errno.EOPNOTSUPP:
+                raise BlockingIOError(errno.EAGAIN, "this file system cannot say what is cached") from None
+            raise
 
     def read_direct(self, cls: int, offset: int, n: int) -> memoryview | None:
         """Up to ``n`` bytes at ``offset`` of slot file ``cls`` (both page-aligned up to ``n``, rounded up here)

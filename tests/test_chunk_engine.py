@@ -6,6 +6,8 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
+import tempfile
 import sqlite3
 import threading
 import time
@@ -684,3 +686,24 @@ def test_a_direct_loan_needs_no_room_in_the_buffer_pool(tmp_path: Path, monkeypa
             assert bytes(lent.data) == data[off : off + n]
         assert e.lend(C, len(data), 10, 1).data.nbytes == 0
         assert all(f.direct >= 0 for f in e._slots.files.values()) and not _cached(e, C, 0, len(data))
+
+
+def test_small_reads_work_on_tmpfs_where_the_page_cache_flag_is_refused(tmp_path: Path) -> None:
+    """tmpfs refuses ``RWF_NOWAIT`` (EOPNOTSUPP): a ``nowait`` read must say "would block" so the service reads in a
+    thread, and the plain read must work, never EIO (issue 28, item 3)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize < 64 << 20:
+        pytest.skip("needs /dev/shm (tmpfs) with 64 MiB free")
+    base = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        with ChunkEngine(base / "t", fsync=False) as e:
+            data = os.urandom(3 * BLOCK)
+            put(e, C, 1, 0, data)
+            try:
+                got = bytes(e.read(C, 4096, 4096, nowait=True)[0])
+            except BlockingIOError:
+                got = bytes(e.read(C, 4096, 4096)[0])
+            assert got == data[4096:8192]
+            assert bytes(e.read(C, 0, 3 * BLOCK)[0]) == data
+    finally:
+        shutil.rmtree(base)
