@@ -14,8 +14,9 @@ On-disk format (under ``root``)::
     data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
 
-A version of length L lives in one slot of the smallest class >= max(L, 64 KiB). Slot files are
-preallocated with ``posix_fallocate`` and slots are reused, so a write never creates a file. Table
+A version of length L lives in one slot of the smallest class >= max(L, 64 KiB) (of a larger one where that
+class has no free slot and its file may not grow). Slot files are preallocated with ``posix_fallocate`` and slots
+are reused, so a write never creates a file; they grow only while the file system keeps a reserve free. Table
 ``versions`` has one row per committed or pending version: (inode, idx, pending, version, length, crc,
 block_crcs, cls, slot). The free list is *not* stored: at open every slot not named by a row is free, so a
 crash can leak nothing.
@@ -214,12 +215,14 @@ class ChunkEngine:
 
     def __init__(
         self, root: Path, *, fsync: bool = True, write_through: bool = True, capacity_bytes: int | None = None,
-        direct_io: bool = True, hold_bytes: int = 0,
+        direct_io: bool = True, hold_bytes: int = 0, reserve_bytes: int | None = None,
     ) -> None:
         """``fsync=False`` never flushes (tests, scratch space). ``write_through=False`` acknowledges writes
         from the page cache and makes them durable at :meth:`flush` (see "Write-back" above). ``direct_io=False``
         writes slot data through the page cache too (see "Direct I/O"). ``hold_bytes``: with write-back, up to
-        this many bytes of whole-version writes wait in memory for a flush (see "Held writes")."""
+        this many bytes of whole-version writes wait in memory for a flush (see "Held writes"). ``reserve_bytes``:
+        how much of the file system new chunk data leaves free (None: :func:`~kvfs.chunkserver.slots.default_reserve`);
+        past it writes fail with ENOSPC."""
         self.root = Path(root)
         self._fsync = fsync
         self._write_through = write_through
@@ -244,7 +247,8 @@ class ChunkEngine:
             os.close(self._lockfd)
             raise KvfsError(f"target {self.root} is open in another engine", errno.EBUSY) from None
         self._rows = rows.RowStore(self.root, fsync=fsync)
-        self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock)
+        self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock,
+                                reserve_bytes=reserve_bytes)
         self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free)
         self._drop_torn_versions()
         self._load()

@@ -47,7 +47,8 @@ def serve_chunkserver(
                     ChunkEngine(Path(path), fsync=config.chunkserver.fsync,
                                 write_through=config.chunkserver.write_through,
                                 capacity_bytes=config.chunkserver.capacity_bytes,
-                                direct_io=config.chunkserver.direct_io, hold_bytes=hold // len(targets))
+                                direct_io=config.chunkserver.direct_io, hold_bytes=hold // len(targets),
+                                reserve_bytes=config.chunkserver.reserve_bytes)
                 )
                 for i, path in enumerate(targets)
             }

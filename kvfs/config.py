@@ -26,7 +26,7 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import tomli_w
@@ -62,6 +62,10 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     #: None: 384 MiB or a 32nd of the host's memory, whichever is less; 0: write every chunk at once.
     hold_bytes: int | None = None
     capacity_bytes: int | None = None
+    #: Bytes of each target's file system that chunk data leaves free, for what shares the disk (the KV store, logs):
+    #: past it, writes fail with ENOSPC while metadata, reads and deletes go on. None: 256 MiB, or a tenth of a
+    #: file system smaller than 2.5 GiB.
+    reserve_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def resolved_hold_bytes(self) -> int:
         """``hold_bytes``, its default worked out for this host; 0 without write-back (nothing waits for a sync)."""
