@@ -35,6 +35,26 @@ from kvfs.config import ChunkServerSection, ClusterConfig, Timeouts, load_config
 from kvfs.errors import KvfsError
 
 
+#: ``kvfs up --memory-mb``'s default: the whole cluster's memory (PSS) while it takes and serves data.
+DEFAULT_MEMORY = 1 << 30
+#: What the budget sets aside before the chunk servers' share: each process's interpreter and code, and the
+#: mount's write buffers (benchmarks/memory_pss.py measures both).
+PROCESS_BASE = 32 << 20
+MOUNT_BUFFERS = 160 << 20
+#: Below this a chunk server's buffers would not hold the chunk writes one client keeps in flight.
+MIN_CHUNKSERVER_MEMORY = 64 << 20
+
+
+def chunkserver_memory(budget: int, chunkservers: int) -> int:
+    """Each chunk server's ``[chunkserver] memory_bytes`` when a host's cluster of ``chunkservers`` chunk servers,
+    mgmtd, meta and the mount is to stay within ``budget`` bytes: what the others need, then equal shares."""
+    share = (budget - (chunkservers + 3) * PROCESS_BASE - MOUNT_BUFFERS) // chunkservers
+    if share < MIN_CHUNKSERVER_MEMORY:
+        raise KvfsError(f"--memory-mb {budget >> 20} leaves {max(share, 0) >> 20} MiB to each of {chunkservers} chunk"
+                        f" servers; they need {MIN_CHUNKSERVER_MEMORY >> 20} MiB each", errno.EINVAL)
+    return share
+
+
 class LocalLayout(msgspec.Struct, kw_only=True):
     mgmtd: str
     meta: str
@@ -98,7 +118,7 @@ class LocalCluster:
 
     def _init(
         self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1, fsync: bool = True,
-        write_through: bool = False, kv_dir: Path | None = None,
+        write_through: bool = False, kv_dir: Path | None = None, memory: int = DEFAULT_MEMORY,
     ) -> tuple[ClusterConfig, LocalLayout]:
         kv_url = f"sqlite:///{(kv_dir.resolve() if kv_dir is not None else self.data) / 'kv.db'}"
         if self.layout_path.exists():
@@ -115,6 +135,7 @@ class LocalCluster:
         if not 1 <= replicas <= chunkservers:
             raise KvfsError(f"--replicas {replicas} needs at least as many chunk servers (have {chunkservers})",
                             errno.EINVAL)
+        memory_bytes = chunkserver_memory(memory, chunkservers)
         for sub in ("logs", "run", "targets"):
             (self.data / sub).mkdir(parents=True, exist_ok=True)
         if kv_dir is not None:
@@ -131,7 +152,7 @@ class LocalCluster:
         config = ClusterConfig(
             token=new_token(), kv_url=kv_url, mgmtd=[layout.mgmtd], meta=[layout.meta],
             timeouts=Timeouts(heartbeat_interval=0.5, heartbeat_timeout=3.0, lease=3.0),
-            chunkserver=ChunkServerSection(fsync=fsync, write_through=write_through),
+            chunkserver=ChunkServerSection(fsync=fsync, write_through=write_through, memory_bytes=memory_bytes),
         )
         save_config(config, self.config_path)
         save_config(ClusterConfig(token=config.token, mgmtd=config.mgmtd, meta=config.meta), self.client_config_path)
@@ -192,15 +213,18 @@ class LocalCluster:
     def up(
         self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True,
         targets_per_server: int = 1, fsync: bool = True, write_through: bool = False, kv_dir: Path | None = None,
+        memory: int = DEFAULT_MEMORY,
     ) -> LocalLayout:
         """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient).
 
-        The sizes (chunk servers, replicas, targets per server), ``fsync``, ``write_through`` and ``kv_dir`` (where
-        the KV store goes, by default the data directory) apply when the directory is new; a restart keeps what it
+        The sizes (chunk servers, replicas, targets per server), ``fsync``, ``write_through``, ``kv_dir`` (where
+        the KV store goes, by default the data directory) and ``memory`` (the cluster's memory budget in bytes,
+        divided by :func:`chunkserver_memory`) apply when the directory is new; a restart keeps what it
         was created with (they live in ``cluster.toml``), and refuses a ``kv_dir`` other than the one it has."""
         from kvfs.fuse.mount import force_unmount, is_mounted
 
-        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through, kv_dir)
+        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through, kv_dir,
+                                    memory)
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails

@@ -60,9 +60,10 @@ class BufferPool:
             return bytearray(n)
 
     def trim(self, idle: float) -> int:
-        """Give the pages of unused shared-memory buffers back to the system once nothing was taken for ``idle``
-        seconds (they stay pooled and are refilled with zero pages on next use); returns the bytes given back.
-        Only :func:`mmap.mmap` buffers can: a process keeps what ``bytearray`` buffers its pool holds."""
+        """Give the pages of unused mapped buffers (shared memory, :func:`page_aligned`) back to the system once
+        nothing was taken for ``idle`` seconds (they stay pooled and are refilled with zero pages on next use);
+        returns the bytes given back. Only :func:`mmap.mmap` buffers can: a process keeps what ``bytearray``
+        buffers its pool holds."""
         given = 0
         with self._lock:
             if self._trimmed or time.monotonic() - self._last_take < idle:

@@ -35,7 +35,7 @@ import prometheus_client
 import trio
 
 from kvfs.errors import ProtocolError
-from kvfs.pool import BufferPool
+from kvfs.pool import RECEIVED, BufferPool
 from kvfs.transport.buffers import buffer_address
 from kvfs.transport.errors import UnregisteredMemory
 from kvfs.wire import Method
@@ -257,12 +257,14 @@ SHARED = BufferPool(capacity=ARENA_CAPACITY // 2, allocate=PROCESS_ARENA.allocat
 a server copies lent data into (so a chain member forwards it on without another copy)."""
 
 
-async def give_back_idle(every: float = 30.0) -> None:
-    """Hand the pages of this process's idle arena buffers back to the system, every ``every`` seconds once
-    nothing was taken for that long (run in a service's nursery): a mount that wrote a large file would otherwise
-    keep its write buffers' memory while it idles."""
+async def give_back_idle(every: float = 30.0, idle: float | None = None) -> None:
+    """Hand the pages of this process's idle pooled buffers (its arena's, and the received pool's) back to the
+    system, checking every ``every`` seconds, once nothing was taken from a pool for ``idle`` seconds (default
+    ``every``; run in a service's nursery): a mount that wrote a large file, or a chunk server that took it, would
+    otherwise keep their memory while they idle."""
     while True:
         await trio.sleep(every)
-        given = SHARED.trim(idle=every)
-        if given:
-            log.debug("gave back %d MiB of idle shared-memory buffers", given >> 20)
+        for name, pool in (("shared-memory", SHARED), ("received", RECEIVED)):
+            given = pool.trim(idle=every if idle is None else idle)
+            if given:
+                log.debug("gave back %d MiB of idle %s buffers", given >> 20, name)
