@@ -22,6 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def authenticated(address: str, token: str = TOKEN, sock=None):
+    """A raw trio socket to ``address`` that went through the handshake, and its signer, for frames sent by
+    hand (``sock``: one already made, e.g. with a small receive buffer)."""
+    import functools
+
+    import trio
+
+    from kvfs.rpc import FrameReader, authenticate_client, send_all
+
+    host, port = address.rsplit(":", 1)
+    sock = sock or trio.socket.socket()
+    await sock.connect((host, int(port)))
+    signer = await authenticate_client(FrameReader(sock), functools.partial(send_all, sock), address, token.encode())
+    return sock, signer
+
+
 def wait_for_port(address: str, proc: subprocess.Popen | None = None, timeout: float = 20.0) -> None:
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from kvfs import wire
 from kvfs.config import ClusterConfig, load_config
 from kvfs.errors import ConnectionLost, KvfsError, ProtocolError
-from kvfs.rpc import RpcClient, RpcServer
+from kvfs.rpc import FrameReader, RpcClient, RpcServer, authenticate_server, send_all
 from kvfs.transport import link
 from kvfs.transport.buffers import BufferPool, RemoteBuffer, buffer_address
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
@@ -312,7 +313,7 @@ def test_response_trailer():
 
 
 def test_wire_accepts_the_rdma_flag_and_no_unknown_one():
-    frame = wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, 1, b"x", 0, wire.Flags.RDMA)
+    frame = wire.encode_frame(wire.FrameType.REQUEST, 1, 1, b"x", 0, wire.Flags.RDMA)
     assert wire.decode_header(frame[: wire.HEADER_SIZE], Limits()).flags == wire.Flags.RDMA
     bad = bytearray(frame)
     bad[6] = 32  # the first bit no flag uses
@@ -348,6 +349,7 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
     """Without RDMA here, the client never offers and its frames are exactly the TCP frames of before."""
     monkeypatch.delenv("KVFS_TRANSPORT", raising=False)
     got = bytearray()
+    keys = []
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -356,6 +358,9 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
 
     async def serve_raw():
         sock, _ = await listener.accept()
+        reader = FrameReader(sock)
+        keys.append(await authenticate_server(reader, functools.partial(send_all, sock), "client", TOKEN.encode()))
+        # the client sends its call only after the server's proof, so the reader holds nothing beyond it
         while len(got) < wire.HEADER_SIZE + 64 + len(payload):
             chunk = await sock.recv(1 << 16)
             if not chunk:
@@ -369,8 +374,11 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
             with pytest.raises(KvfsError):
                 await client.call(address, ONCE, Req("x"), data=payload, timeout=1)
     body = wire.encode_body(Req("x"))
-    assert bytes(got) == wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, ONCE.id, body,
-                                           len(payload)) + payload
+    frame = wire.encode_frame(wire.FrameType.REQUEST, 1, ONCE.id, body, len(payload))
+    end = len(frame)
+    assert got[:wire.HEADER_SIZE - wire.TAG_SIZE] == frame[:wire.HEADER_SIZE - wire.TAG_SIZE]
+    assert got[wire.HEADER_SIZE:end] == body and got[end:] == payload
+    assert keys[0].verify(got[:wire.HEADER_SIZE], got[wire.HEADER_SIZE:end])  # the first frame of the connection
     listener.close()
 
 

@@ -23,6 +23,8 @@ from kvfs.rpc import RpcClient, RpcServer
 from kvfs.transport import shm
 from kvfs.wire import Limits, Method
 
+from harness import authenticated
+
 TOKEN = "tok"
 MIB = 1 << 20
 
@@ -271,12 +273,11 @@ async def test_concurrent_first_lent_calls_ask_once(nursery, shared):
 
 
 async def raw_frames(address: str, frames: list[bytes]) -> bytes:
-    """Send raw frames on a fresh connection; what the server answered before closing it."""
-    host, port = address.split(":")
-    sock = trio.socket.socket()
-    await sock.connect((host, int(port)))
+    """Send raw frames, sealed in turn, on a fresh authenticated connection; what the server answered after the
+    handshake, before closing the connection."""
+    sock, signer = await authenticated(address, TOKEN)
     for frame in frames:
-        await sock.send(frame)
+        await sock.send(signer.seal(frame))
     got = b""
     with trio.move_on_after(5):
         while chunk := await sock.recv(1 << 16):
@@ -286,7 +287,7 @@ async def raw_frames(address: str, frames: list[bytes]) -> bytes:
 
 
 def request(body: bytes, data_len: int = 0, flags=wire.Flags.SHM, request_id: int = 1, method: Method = LENT) -> bytes:
-    return wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, request_id, method.id, body, data_len, flags)
+    return wire.encode_frame(wire.FrameType.REQUEST, request_id, method.id, body, data_len, flags)
 
 
 @pytest.mark.parametrize("frame, reason", [
