@@ -307,8 +307,8 @@ async def _read_handshake(reader: FrameReader, expect: Method, request: bool, pe
     raw = bytes(await reader.read(wire.HEADER_SIZE))
     header = wire.decode_header(raw, _HANDSHAKE_LIMITS)
     body = await reader.read(header.body_len)
-    if header.data_len:
-        raise ProtocolError(f"a {header.data_len}-byte data section where the authentication handshake was due")
+    if header.data_len or header.request_id or any(header.tag):
+        raise ProtocolError("a data section, request id or tag where the untagged authentication handshake was due")
     if header.type is FrameType.ERROR and not request:  # the server refuses us, or is going away
         err = wire.decode_error(body)
         if wire.Flags.AUTH_REFUSED in header.flags:
