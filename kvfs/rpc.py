@@ -307,8 +307,6 @@ async def _read_handshake(reader: FrameReader, expect: Method, request: bool, pe
     raw = bytes(await reader.read(wire.HEADER_SIZE))
     header = wire.decode_header(raw, _HANDSHAKE_LIMITS)
     body = await reader.read(header.body_len)
-    if header.data_len or header.request_id or any(header.tag):
-        raise ProtocolError("a data section, request id or tag where the untagged authentication handshake was due")
     if header.type is FrameType.ERROR and not request:  # the server refuses us, or is going away
         err = wire.decode_error(body)
         if wire.Flags.AUTH_REFUSED in header.flags:
@@ -319,6 +317,8 @@ async def _read_handshake(reader: FrameReader, expect: Method, request: bool, pe
         raise AuthError(f"expected the authentication handshake's {expect.name} {wanted.name.lower()}, got a"
                         f" {header.type.name.lower()} of method {header.method} (a kvfs before protocol"
                         f" {wire.PROTOCOL_VERSION}, or not kvfs)")
+    if header.data_len or header.request_id or any(header.tag):
+        raise ProtocolError(f"{expect.name} with a data section, request id or tag (handshake frames have none)")
     return wire.decode_body(expect.request if request else expect.response, body)
 
 

@@ -8,6 +8,7 @@ detection reason, where there is none.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -36,6 +37,8 @@ from kvfs.transport.link import CallPlan, plan_call, resolve_mode
 from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode
 from kvfs.transport.verbs import detect_rdma
 from kvfs.wire import Limits, Method
+
+from harness import RecordingProxy, authenticated, frames
 
 TOKEN = "tok"
 NO_DEVICE = RdmaAvailability(False, "no RDMA devices found")
@@ -448,6 +451,29 @@ async def rdma_pair(nursery, fabric):
     server, address, calls = await start_server(nursery, server_factory)
     client_factory = FakeFactory(fabric)
     return server, address, calls, server_factory, client_factory
+
+
+async def test_a_recorded_rdma_setup_replayed_on_another_connection_is_refused(nursery, fabric, caplog):
+    """RDMA_CONNECT and the descriptors of RDMA calls travel as tagged frames of their connection: recorded and
+    replayed on another connection (by a token holder, after a handshake of its own), the offer is refused before
+    any queue pair is made for it, and the call does not run."""
+    server, address, calls, sf, cf = await rdma_pair(nursery, fabric)
+    proxy = RecordingProxy(address)
+    via_proxy = await nursery.start(proxy.serve)
+    async with RpcClient(TOKEN, rdma_factory=cf) as client:
+        assert (await client.connection(via_proxy)).transport == "rdma"
+        await client.call(via_proxy, ONCE, Req("once"), data=pattern(50_000))
+    recorded = [raw for header, raw in frames(proxy.recorded[0]) if header.method in (RDMA_CONNECT.id, ONCE.id)]
+    assert len(recorded) == 2 and calls.count == 1
+    endpoints = len(fabric.endpoints)
+    sock, _ = await authenticated(address, TOKEN)
+    await send_all(sock, b"".join(recorded))
+    with trio.fail_after(5), contextlib.suppress(ConnectionResetError):
+        while await sock.recv(1 << 16):
+            pass
+    sock.close()
+    assert "does not match this connection's key and sequence" in caplog.text
+    assert calls.count == 1 and len(fabric.endpoints) == endpoints
 
 
 async def test_bulk_data_moves_by_rdma_both_ways(nursery, fabric):

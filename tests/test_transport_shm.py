@@ -4,6 +4,7 @@ and one-way sends between a real RpcServer and RpcClient, and a server that surv
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -19,11 +20,11 @@ import trio
 from kvfs import wire
 from kvfs.errors import KvfsError, ProtocolError
 from kvfs.pool import BufferPool
-from kvfs.rpc import RpcClient, RpcServer
+from kvfs.rpc import RpcClient, RpcServer, send_all
 from kvfs.transport import shm
 from kvfs.wire import Limits, Method
 
-from harness import authenticated
+from harness import RecordingProxy, authenticated, frames
 
 TOKEN = "tok"
 MIB = 1 << 20
@@ -320,6 +321,29 @@ async def test_a_section_outside_the_mapped_arena_closes_the_connection(nursery,
     answer = await raw_frames(address, [offer, outside])
     assert answer  # the handshake was answered, then the connection closed
     assert "outside the client's arena" in caplog.text and received.data == []
+
+
+async def test_a_recorded_shared_memory_setup_replayed_on_another_connection_maps_nothing(nursery, shared, caplog):
+    """SHM_CONNECT travels as a tagged frame of its connection: a recording of it and of a lent call, replayed on
+    another connection (even by a token holder, after a handshake of its own), is refused before anything runs."""
+    server, address, received = await start_server(nursery, shared_memory=True)
+    proxy = RecordingProxy(address)
+    via_proxy = await nursery.start(proxy.serve)
+    buf = shared.take(MIB)
+    memoryview(buf)[:] = pattern(MIB, 5)
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        assert (await client.call(via_proxy, LENT, Req(), data=memoryview(buf), lend=True)).got == MIB
+        assert (await client.connection(via_proxy)).shared_memory
+    recorded = [raw for header, raw in frames(proxy.recorded[0]) if header.method in (shm.SHM_CONNECT.id, LENT.id)]
+    assert len(recorded) == 2 and len(received.data) == 1
+    sock, _ = await authenticated(address, TOKEN)
+    await send_all(sock, b"".join(recorded))
+    with trio.fail_after(5), contextlib.suppress(ConnectionResetError):
+        while await sock.recv(1 << 16):
+            pass
+    sock.close()
+    assert "does not match this connection's key and sequence" in caplog.text
+    assert len(received.data) == 1 and not any(peer.shared_memory for peer in server.peers)
 
 
 # --------------------------------------------------------------------------------------- another process
