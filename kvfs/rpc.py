@@ -385,7 +385,7 @@ class Connection:
 
     def __init__(self, sock: trio.socket.SocketType, reader: FrameReader, address: str, signer: Signer,
                  limits: Limits, *, shared_memory: bool = False) -> None:
-        """``reader`` and ``signer``: what the handshake (:func:`_authenticate_client`) left for this socket."""
+        """``reader`` and ``signer``: what the handshake (:func:`authenticate_client`) left for this socket."""
         self.address = address
         self._sock = sock
         self._reader = reader

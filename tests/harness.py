@@ -79,6 +79,16 @@ class RecordingProxy:
         scope.cancel()  # either side hung up: so does the proxy
 
 
+async def send_until_closed(sock, data: bytes) -> bytes:
+    """Send ``data`` and read until the server closes (or resets) the connection; what came back. Closes ``sock``."""
+    await send_all(sock, data)
+    got = b""
+    with sock, trio.fail_after(5), contextlib.suppress(ConnectionResetError):  # reset: closed with bytes unread
+        while chunk := await sock.recv(1 << 16):
+            got += chunk
+    return got
+
+
 def frames(stream: bytes) -> list[tuple[wire.Header, bytes]]:
     """Split a recorded client stream into its frames (header, and the frame's bytes as sent)."""
     out, pos = [], 0

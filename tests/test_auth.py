@@ -4,7 +4,6 @@ without the token)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
@@ -16,7 +15,7 @@ from kvfs import auth, wire
 from kvfs.errors import AuthError, ProtocolError
 from kvfs.rpc import FrameReader, RpcClient, RpcServer, authenticate_server, send_all
 
-from harness import authenticated
+from harness import authenticated, send_until_closed
 from test_rpc import ECHO, EchoRequest, echo
 
 TOKEN = "auth-test-token"
@@ -190,14 +189,7 @@ async def raw(srv: RpcServer, *frames: bytes) -> bytes:
     """Send ``frames`` as they are on a fresh connection; all the server answers until it closes."""
     sock = trio.socket.socket()
     await sock.connect(("127.0.0.1", srv.port))
-    for one in frames:
-        await send_all(sock, one)
-    got = b""
-    with trio.fail_after(5), contextlib.suppress(ConnectionResetError):  # a reset: it closed with bytes unread
-        while chunk := await sock.recv(1 << 16):
-            got += chunk
-    sock.close()
-    return got
+    return await send_until_closed(sock, b"".join(frames))
 
 
 def hello(nonce: bytes = b"n" * 32) -> bytes:
@@ -260,15 +252,10 @@ def test_hypothesis_damaged_handshakes_never_authenticate(cut, flip):
                 wire.decode_header(raw_header, wire.Limits()).body_len)).nonce
             damaged = bytearray(prove(auth.Session.derive(TOKEN.encode(), nonce, server_nonce).client_proof))
             damaged[flip // 8 % len(damaged)] ^= 1 << flip % 8
-            await send_all(sock, bytes(damaged)[: cut % len(damaged) or len(damaged)])
-            answer = b""
-            with trio.fail_after(5), contextlib.suppress(ConnectionResetError):
-                while chunk := await sock.recv(1 << 16):
-                    answer += chunk
+            answer = await send_until_closed(sock, bytes(damaged)[: cut % len(damaged) or len(damaged)])
             if answer:  # the server hung up, or refused: it never sends its proof back
                 header = wire.decode_header(answer[: wire.HEADER_SIZE], wire.Limits())
                 assert header.type is wire.FrameType.ERROR and header.flags & wire.Flags.AUTH_REFUSED
-            sock.close()
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -8,7 +8,6 @@ detection reason, where there is none.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import functools
@@ -38,7 +37,7 @@ from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode
 from kvfs.transport.verbs import detect_rdma
 from kvfs.wire import Limits, Method
 
-from harness import RecordingProxy, authenticated, frames
+from harness import RecordingProxy, authenticated, frames, send_until_closed
 
 TOKEN = "tok"
 NO_DEVICE = RdmaAvailability(False, "no RDMA devices found")
@@ -467,11 +466,7 @@ async def test_a_recorded_rdma_setup_replayed_on_another_connection_is_refused(n
     assert len(recorded) == 2 and calls.count == 1
     endpoints = len(fabric.endpoints)
     sock, _ = await authenticated(address, TOKEN)
-    await send_all(sock, b"".join(recorded))
-    with trio.fail_after(5), contextlib.suppress(ConnectionResetError):
-        while await sock.recv(1 << 16):
-            pass
-    sock.close()
+    await send_until_closed(sock, b"".join(recorded))
     assert "does not match this connection's key and sequence" in caplog.text
     assert calls.count == 1 and len(fabric.endpoints) == endpoints
 

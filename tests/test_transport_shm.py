@@ -4,7 +4,6 @@ and one-way sends between a real RpcServer and RpcClient, and a server that surv
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -20,11 +19,11 @@ import trio
 from kvfs import wire
 from kvfs.errors import KvfsError, ProtocolError
 from kvfs.pool import BufferPool
-from kvfs.rpc import RpcClient, RpcServer, send_all
+from kvfs.rpc import RpcClient, RpcServer
 from kvfs.transport import shm
 from kvfs.wire import Limits, Method
 
-from harness import RecordingProxy, authenticated, frames
+from harness import RecordingProxy, authenticated, frames, send_until_closed
 
 TOKEN = "tok"
 MIB = 1 << 20
@@ -337,11 +336,7 @@ async def test_a_recorded_shared_memory_setup_replayed_on_another_connection_map
     recorded = [raw for header, raw in frames(proxy.recorded[0]) if header.method in (shm.SHM_CONNECT.id, LENT.id)]
     assert len(recorded) == 2 and len(received.data) == 1
     sock, _ = await authenticated(address, TOKEN)
-    await send_all(sock, b"".join(recorded))
-    with trio.fail_after(5), contextlib.suppress(ConnectionResetError):
-        while await sock.recv(1 << 16):
-            pass
-    sock.close()
+    await send_until_closed(sock, b"".join(recorded))
     assert "does not match this connection's key and sequence" in caplog.text
     assert len(received.data) == 1 and not any(peer.shared_memory for peer in server.peers)
 
