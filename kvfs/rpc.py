@@ -782,7 +782,8 @@ class RpcClient(TransportChoice):
         except (_EndOfStream, OSError) as exc:
             sock.close()
             raise ConnectionLost(f"{address} closed the connection during the authentication handshake"
-                                 + (f": {exc}" if isinstance(exc, OSError) else "")) from None
+                                 + (f": {exc}" if isinstance(exc, OSError) else " (a kvfs before protocol"
+                                    f" {wire.PROTOCOL_VERSION} closes so)")) from None
         except BaseException:
             sock.close()
             raise
