@@ -29,7 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def authenticated(address: str, token: str = TOKEN, sock=None):
+async def authenticated(address: str, token: str = TOKEN, sock: trio.socket.SocketType | None = None
+                        ) -> tuple[trio.socket.SocketType, wire.Signer]:
     """A raw trio socket to ``address`` that went through the handshake, and its signer, for frames sent by
     hand (``sock``: one already made, e.g. with a small receive buffer)."""
     host, port = address.rsplit(":", 1)
@@ -79,7 +80,7 @@ class RecordingProxy:
         scope.cancel()  # either side hung up: so does the proxy
 
 
-async def send_until_closed(sock, data: bytes) -> bytes:
+async def send_until_closed(sock: trio.socket.SocketType, data: bytes) -> bytes:
     """Send ``data`` and read until the server closes (or resets) the connection; what came back. Closes ``sock``."""
     await send_all(sock, data)
     got = b""
