@@ -155,7 +155,7 @@ async def run_mount(
         pyfuse3.init(ops, mountpoint, mount_options(allow_other=allow_other, extra=extra_options))
         try:
             async with trio.open_nursery() as nursery:
-                ops.nursery = nursery
+                ops.nursery = ops.writes.nursery = nursery
                 if signals is not None:
                     nursery.start_soon(_on_signals, ops, signals, nursery.cancel_scope)
                 if read_ahead_kb or max_background:

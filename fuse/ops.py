@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import stat
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,19 +29,18 @@ import trio
 from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
-from kvfs.transport.shm import SHARED
 from kvfs.meta.posix import LAYOUT_XATTR
 from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
-from .cache import BlockCache, Stamp
+from .cache import BlockCache
 from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
+from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, parallel, per_chunk
 
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-FLUSH_DEPTH = 8  # write flushes in flight per open file (see _start_flush)
 
 
 #: (parent, name) argument positions of the entries each namespace operation changes.
@@ -110,51 +108,6 @@ def _fuse_errors(fn):
 
 
 @dataclass(eq=False)
-class _InodeState:
-    """What the mount knows about a file it has open: shared by all its handles."""
-
-    ino: int
-    layout: Layout
-    size: int  # the length as this mount knows it: meta's, extended by local writes, set by truncate
-    stamp: Stamp = (0, 0)  # (mtime_ns, size) meta gave at the latest open: what cached blocks are read under
-    changes: int = 0  # local writes and truncations so far: a cache fill that raced one must not be kept
-    handles: set = field(default_factory=set)
-
-    def dirty(self) -> bool:
-        """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
-        return any(h.holds() for h in self.handles)
-
-
-@dataclass(eq=False)
-class _Handle:
-    fh: int
-    state: _InodeState
-    flags: int
-    caller: Caller
-    session: int | None
-    hold: int | None = None  # a read-only open's hold session: the file outlives its last name while open
-    direct: bool = False  # the kernel sends its writes without the page cache (see _attach)
-    lock: trio.Lock = field(default_factory=trio.Lock)
-    buf: Any = field(default_factory=bytearray)  # bytearray, or a buffer in shared memory (_write_buffer)
-    buf_off: int = 0
-    buf_len: int = 0
-    spares: list[Any] = field(default_factory=list)  # flushed buffers, for the next ones to fill
-    flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
-    error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
-
-    def holds(self, lo: int = 0, hi: int = sys.maxsize) -> bool:
-        """Bytes of ``[lo, hi)`` written here that storage may not have yet (buffered or being flushed)."""
-        return (self.buf_len > 0 and self.buf_off < hi and lo < self.buf_off + self.buf_len) or any(
-            s < hi and lo < e for s, e, _ in self.flushes)
-
-
-def _write_buffer(size: int) -> Any:
-    """A buffer for a handle's writes, of at least ``size`` bytes: in this process's shared memory while there is
-    room, so chunk writes to chunk servers on this host go by shared memory (:mod:`kvfs.transport.shm`)."""
-    return SHARED.take(1 << (size - 1).bit_length())
-
-
-@dataclass(eq=False)
 class _DirHandle:
     ino: int
     caller: Caller
@@ -199,10 +152,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.negative_timeout = negative_timeout
-        self.write_buffer = write_buffer
-        self.flush_depth = flush_depth
         self.read_limit = trio.CapacityLimiter(read_parallel)
-        self.write_limit = trio.CapacityLimiter(write_parallel)
         self.readdir_page = readdir_page
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
@@ -216,14 +166,17 @@ class KvfsOperations(pyfuse3.Operations):
             self.coherence.on_recall = self.dirops.recall
             self.coherence.on_lapse = self.dirops.lapse
             self.coherence.on_foreign = self.dirops.unsure
+        self.writes = WriteBack(self.meta, storage, write_buffer=write_buffer, flush_depth=flush_depth,
+                                write_parallel=write_parallel, changed=self._changed,
+                                reported=self._attributes_changed_here)
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
-        self._inodes: dict[int, _InodeState] = {}
-        self._handles: dict[int, _Handle] = {}
+        self._inodes: dict[int, InodeState] = {}
+        self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, _DirHandle] = {}
         self._next_fh = 1
         self.initialized = trio.Event()
-        self.nursery: trio.Nursery | None = None  # for background flushes; run_mount sets it
+        self.nursery: trio.Nursery | None = None  # for background work (listings, session ends); run_mount sets it
         self._closing = 0  # sessions (write sessions, holds) being ended in the background (queued or on their way)
         self._to_close: list[tuple[int, int, None]] = []  # (ino, session, no exact length) not yet sent
         # directory inode -> (attributes a create of ours just returned, expiry): see getattr
@@ -410,13 +363,13 @@ class KvfsOperations(pyfuse3.Operations):
         st = self._inodes.get(inode)
         if fields.update_atime or fields.update_mtime:
             if st is not None:  # buffered writes land first, so their mtime update cannot undo an explicit time
-                await self._flush_inode(st)
+                await self.writes.flush_inode(st)
             kw.update(await self._times(caller, inode, attr, fields))
         old = new_size = None
         if fields.update_size:
             new_size = attr.st_size
             if st is not None:
-                await self._flush_inode(st)
+                await self.writes.flush_inode(st)
                 old = st.size
             else:
                 old = (await self.meta.getattr(caller, inode)).size
@@ -663,7 +616,7 @@ class KvfsOperations(pyfuse3.Operations):
             layout = await self._layout(caller, attr.ino)
             st = self._inodes.get(attr.ino)  # another open may have raced us
             if st is None:
-                st = self._inodes[attr.ino] = _InodeState(attr.ino, layout, attr.size)
+                st = self._inodes[attr.ino] = InodeState(attr.ino, layout, attr.size)
         if not st.dirty():
             st.size = attr.size
         st.stamp = (attr.mtime_ns, attr.size)
@@ -672,7 +625,7 @@ class KvfsOperations(pyfuse3.Operations):
         # A write-only open cannot read or be mapped, and with keep_cache off the next open drops whatever it would
         # leave in the page cache: its writes skip the page cache (a copy, and a page each to allocate and free)
         direct = flags & os.O_ACCMODE == os.O_WRONLY and not self.keep_cache
-        h = _Handle(self._new_fh(), st, flags, caller, session, opened.hold, direct=direct)
+        h = Handle(self._new_fh(), st, flags, caller, session, opened.hold, direct=direct)
         st.handles.add(h)
         self._handles[h.fh] = h
         fi = pyfuse3.FileInfo(fh=h.fh)
@@ -687,7 +640,7 @@ class KvfsOperations(pyfuse3.Operations):
         if flags & os.O_TRUNC:
             st = self._inodes.get(inode)
             if st is not None:
-                await self._flush_inode(st)
+                await self.writes.flush_inode(st)
                 old = st.size
             else:
                 old = (await self.meta.getattr(caller, inode)).size
@@ -741,7 +694,7 @@ class KvfsOperations(pyfuse3.Operations):
         if self.dirops is not None:
             self.dirops.dir_attr(ino, attr)
 
-    def _handle(self, fh: int) -> _Handle:
+    def _handle(self, fh: int) -> Handle:
         h = self._handles.get(fh)
         if h is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -752,26 +705,17 @@ class KvfsOperations(pyfuse3.Operations):
         h = self._handle(fh)
         st = h.state
         if st.dirty():
-            await self._flush_inode(st)
+            await self.writes.flush_inode(st)
         end = min(off + size, st.size)
         if end <= off:
             return b""
         if self.cache is not None and end - off <= _CACHED_READ:
             return await self._read_cached(st, off, end)
         out = RECEIVED.take(end - off)  # every byte is filled below (holes as zeros by storage.read)
-        view = memoryview(out)
-        pieces = list(_chunk_pieces(st.layout.chunk_size, off, end - off))
-        if len(pieces) == 1:
-            await self.storage.read(st.ino, st.layout, off, view)
-        else:
-            async def one(p_off: int, b: int, n: int) -> None:
-                async with self.read_limit:
-                    await self.storage.read(st.ino, st.layout, p_off, view[b:b + n])
-
-            await _parallel(one, pieces)
+        await per_chunk(self.storage.read, st.ino, st.layout, off, memoryview(out), self.read_limit)
         return out
 
-    async def _read_cached(self, st: _InodeState, off: int, end: int) -> bytearray:
+    async def _read_cached(self, st: InodeState, off: int, end: int) -> bytearray:
         """A small read from whole cached blocks, fetching the missing ones (see fuse/cache.py)."""
         assert self.cache is not None
         first, last = off // CACHE_BLOCK, (end - 1) // CACHE_BLOCK
@@ -790,7 +734,7 @@ class KvfsOperations(pyfuse3.Operations):
             if len(missing) == 1:
                 await fetch(missing[0])
             else:
-                await _parallel(fetch, [(i,) for i in missing])
+                await parallel(fetch, [(i,) for i in missing])
             if st.changes == changes:  # no local write or truncation overtook the reads
                 for i in missing:
                     self.cache.put(st.ino, i, blocks[i], stamp)
@@ -802,7 +746,7 @@ class KvfsOperations(pyfuse3.Operations):
             out += memoryview(blocks[i])[max(off, base) - base : min(end, base + CACHE_BLOCK) - base]
         return out
 
-    def _changed(self, st: _InodeState, offset: int = 0, length: int | None = None) -> None:
+    def _changed(self, st: InodeState, offset: int = 0, length: int | None = None) -> None:
         """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None)."""
         st.changes += 1
         if self.cache is not None:
@@ -815,39 +759,17 @@ class KvfsOperations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         h = self._handle(fh)
         st = h.state
-        n = len(buf)
         others = len(st.handles) > 1
         if others:  # writes to the same bytes through two opens reach storage in the order they were made
             await self._drop_pages_of_other_opens(h)  # their dirty pages reach their opens' buffers first
-            await self._flush_inode(st, off, off + n, but=h)
-        async with h.lock:
-            self._raise_error(h)
-            if h.flags & os.O_APPEND and st.size > off:
-                off = st.size  # another writer of this inode appended meanwhile
-            self._changed(st, off, n)
-            if h.buf_len and (off != h.buf_off + h.buf_len or h.buf_len + n > self.write_buffer):
-                await self._start_flush(h)
-            if n >= self.write_buffer:
-                await self._wait_inflight(h)
-                await self._write_through(h, off, memoryview(buf))
-            else:
-                if not h.buf_len:
-                    h.buf_off = off
-                if len(h.buf) < h.buf_len + n:  # grown as a file's writes go on: small files keep small buffers
-                    grown = _write_buffer(min(max(h.buf_len + n, 2 * len(h.buf), MIB), self.write_buffer))
-                    memoryview(grown)[:h.buf_len] = memoryview(h.buf)[:h.buf_len]
-                    h.buf = grown
-                memoryview(h.buf)[h.buf_len:h.buf_len + n] = buf
-                h.buf_len += n
-                st.size = max(st.size, off + n)
-                if h.buf_len >= self.write_buffer:
-                    await self._start_flush(h)
+            await self.writes.flush_inode(st, off, off + len(buf), but=h)
+        await self.writes.write(h, off, buf)
         if others:
             await self._drop_pages_of_other_opens(h)
-        return n
+        return len(buf)
 
     @staticmethod
-    async def _drop_pages_of_other_opens(h: _Handle) -> None:
+    async def _drop_pages_of_other_opens(h: Handle) -> None:
         """Around a write that skips the page cache: pages other opens of this mount hold would be stale after
         it, and dirty ones (stores through a shared mapping) would later be written back over it. So the kernel
         writes them back and drops them before the write, and drops what was read meanwhile after it (Linux 6.18
@@ -856,109 +778,18 @@ class KvfsOperations(pyfuse3.Operations):
         if h.direct and any(not other.direct for other in h.state.handles):
             await trio.to_thread.run_sync(functools.partial(invalidate_kernel_cache, h.state.ino, attr_only=False))
 
-    @staticmethod
-    def _raise_error(h: _Handle) -> None:
-        if h.error is not None:
-            err, h.error = h.error, None
-            raise err
-
-    async def _write_through(self, h: _Handle, off: int, data: memoryview) -> None:
-        """Write ``data`` at ``off`` (chunk pieces in parallel), then report the new end to meta."""
-        st = h.state
-        pieces = list(_chunk_pieces(st.layout.chunk_size, off, len(data)))
-        if len(pieces) == 1:
-            await self.storage.write(st.ino, st.layout, off, data)
-        else:
-            async def one(p_off: int, b: int, n: int) -> None:
-                async with self.write_limit:
-                    await self.storage.write(st.ino, st.layout, p_off, data[b:b + n])
-
-            await _parallel(one, pieces)
-        end = off + len(data)
-        st.size = max(st.size, end)
-        if h.session is not None:
-            await self.meta.report_length(h.caller, st.ino, h.session, end)
-            self._attributes_changed_here(st.ino)
-
-    async def _wait_inflight(self, h: _Handle) -> None:
-        while h.flushes:
-            await h.flushes[0][2].wait()
-
-    async def _start_flush(self, h: _Handle) -> None:
-        """Hand the full buffer to a background task and continue in another, so the writer fills one while
-        others travel (caller holds h.lock). Up to ``flush_depth`` flushes of a handle are in flight, which keeps
-        the chains fed across one flush's tail; a flush that overlaps an earlier one waits for it, so the
-        handle's writes to the same bytes reach storage in order."""
-        if not h.buf_len:
-            return
-        lo, hi = h.buf_off, h.buf_off + h.buf_len
-        while h.flushes and (len(h.flushes) >= self.flush_depth or any(s < hi and lo < e for s, e, _ in h.flushes)):
-            await h.flushes[0][2].wait()
-        if self.nursery is None:
-            await self._flush_handle(h)
-            self._raise_error(h)
-            return
-        data, n = h.buf, h.buf_len
-        h.buf = h.spares.pop() if h.spares else bytearray()
-        h.buf_len = 0
-        flush = (lo, hi, trio.Event())
-        h.flushes.append(flush)
-        self.nursery.start_soon(self._background_flush, h, data, flush)
-
-    async def _background_flush(self, h: _Handle, data: Any, flush: tuple[int, int, trio.Event]) -> None:
-        off, end, done = flush
-        view = memoryview(data)[:end - off]
-        try:
-            await self._write_through(h, off, view)
-        except Exception as e:  # noqa: BLE001 - reported to the writer at its next write/flush/fsync
-            log.warning("background flush of inode %d [%d, +%d) failed: %r", h.state.ino, off, end - off, e)
-            h.error = e if isinstance(e, OSError) else OSError(errno.EIO, repr(e))
-        finally:
-            view.release()
-            if len(h.spares) < self.flush_depth:
-                h.spares.append(data)
-            h.flushes.remove(flush)
-            done.set()
-
-    async def _flush_handle(self, h: _Handle) -> None:
-        """Write out the handle's buffer and wait for its flushes (caller holds h.lock).  A failure
-        drops the buffer and is kept in ``h.error`` for the handle's writer (its next write, flush
-        or fsync), as with a background flush: a reader that triggered the flush does not get it."""
-        await self._wait_inflight(h)
-        if not h.buf_len:
-            return
-        data = memoryview(h.buf)[:h.buf_len]
-        try:
-            await self._write_through(h, h.buf_off, data)
-        except Exception as e:  # noqa: BLE001
-            log.warning("flush of inode %d [%d, +%d) failed: %r", h.state.ino, h.buf_off, h.buf_len, e)
-            h.error = e if isinstance(e, OSError) else OSError(errno.EIO, repr(e))
-        finally:
-            h.buf_len = 0
-            data.release()
-
-    async def _flush_inode(self, st: _InodeState, lo: int = 0, hi: int = sys.maxsize, but: _Handle | None = None
-                           ) -> None:
-        """Write out what the file's opens (but ``but``) hold of ``[lo, hi)``. Each open flushes its buffer on its
-        own schedule, so a write flushes the other opens' bytes it overlaps first. Each lock is taken alone
-        (a writer calls this before taking its own)."""
-        for h in list(st.handles):
-            if h is not but and h.holds(lo, hi):
-                async with h.lock:
-                    await self._flush_handle(h)
-
     @_fuse_errors
     async def flush(self, fh):
         h = self._handle(fh)
-        await self._flush_inode(h.state)
-        self._raise_error(h)
+        await self.writes.flush_inode(h.state)
+        h.raise_error()
 
     @_fuse_errors
     async def fsync(self, fh, datasync):
         h = self._handle(fh)
         st = h.state
-        await self._flush_inode(st)
-        self._raise_error(h)
+        await self.writes.flush_inode(st)
+        h.raise_error()
         async with one_error(), trio.open_nursery() as nursery:
             nursery.start_soon(self.storage.flush, st.ino)  # chunk servers acknowledge from their page cache
             if self.dirops is not None:  # the file's create, if answered here, is durable once applied
@@ -980,7 +811,7 @@ class KvfsOperations(pyfuse3.Operations):
             return
         st = h.state
         try:
-            await self._flush_inode(st)
+            await self.writes.flush_inode(st)
         finally:
             st.handles.discard(h)
             if not st.handles:
@@ -1035,7 +866,7 @@ class KvfsOperations(pyfuse3.Operations):
         """Write out every buffer and end every write session (before an orderly unmount)."""
         for st in list(self._inodes.values()):
             try:
-                await self._flush_inode(st)
+                await self.writes.flush_inode(st)
             except Exception:
                 log.exception("flushing inode %d before unmount", st.ino)
         while self._closing:
@@ -1049,19 +880,3 @@ _LIST_AFTER_MISSES = 4  # absent names meta reported in a directory before the m
 _MISSES_KEPT = 4096  # directories whose misses are counted (all are forgotten when more come)
 _CACHED_READ = 128 * 1024  # reads up to this size go through the read cache; larger ones stream past it
 _CLOSE_LINGER = 0.02  # seconds
-
-
-async def _parallel(fn, pieces) -> None:
-    """Run ``fn(*piece)`` for every piece concurrently; a failure comes out as the plain exception."""
-    async with one_error(), trio.open_nursery() as nursery:
-        for piece in pieces:
-            nursery.start_soon(fn, *piece)
-
-
-def _chunk_pieces(chunk_size: int, offset: int, length: int):
-    """(file offset, buffer offset, length) of each chunk-aligned piece of a range."""
-    pos, end = offset, offset + length
-    while pos < end:
-        n = min(chunk_size - pos % chunk_size, end - pos)
-        yield pos, pos - offset, n
-        pos += n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -457,7 +458,7 @@ def test_nowait_reads_only_from_the_page_cache(tmp_path: Path) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
-            if not _cached(e, C, BLOCK, 10):
+            if _uncached(e, C, BLOCK, 10):
                 break
             time.sleep(0.05)
         else:
@@ -584,12 +585,44 @@ def _aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
-def _cached(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> bool:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def _resident(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> list[bool]:
+    """Whether each page of the chunk's bytes ``[offset, offset + n)`` is in the page cache, by mincore(2) on a
+    mapping of its slot file. A ``RWF_NOWAIT`` read is no probe: on a miss it starts readahead, whose I/O can
+    finish before the read looks again, and then it finds the pages it was to show absent."""
+    path, base, _, _ = e.local_location(cid)
+    start = (base + offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    length = base + offset + n - start
+    fd = os.open(path, os.O_RDONLY)
     try:
-        e.read(cid, offset, n, nowait=True)
-        return True
-    except BlockingIOError:
-        return False
+        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), "mmap")
+    finally:
+        os.close(fd)
+    try:
+        vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+        if _libc.mincore(addr, length, vec):
+            raise OSError(ctypes.get_errno(), "mincore")
+        return [bool(v & 1) for v in vec]
+    finally:
+        _libc.munmap(addr, length)
+
+
+def _cached(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> bool:
+    """Every page of the bytes is in the page cache."""
+    return all(_resident(e, cid, offset, n))
+
+
+def _uncached(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> bool:
+    """No page of the bytes is in the page cache."""
+    return not any(_resident(e, cid, offset, n))
 
 
 @pytest.mark.parametrize("direct_io", [True, False])
@@ -601,7 +634,7 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
     with ChunkEngine(tmp_path / "t", fsync=True, direct_io=direct_io) as e:
         e.write_pending(C, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
         e.commit(C, 1)
-        assert _cached(e, C, 0, 4 * BLOCK) is not direct_io
+        assert (_uncached if direct_io else _cached)(e, C, 0, 4 * BLOCK)
         assert _cached(e, C, 4 * BLOCK, 100)  # the 100-byte tail: through the page cache either way
         e.write_pending(C, 2, BLOCK, _aligned(data[:BLOCK]), crc32c(data[:BLOCK]), chunk_size=CS)
         e.commit(C, 2)  # a block-aligned overwrite: old blocks copied, new ones direct
@@ -668,7 +701,7 @@ def test_a_direct_loan_reads_around_the_page_cache_and_holds_no_slot(tmp_path: P
         e.commit(C, 1)
         lent = e.lend(C, BLOCK + 5, 3 * BLOCK, 1)
         assert bytes(lent.data) == data[BLOCK + 5 : 4 * BLOCK + 5]
-        assert not _cached(e, C, 0, 4 * BLOCK)  # the read left nothing in the page cache
+        assert _uncached(e, C, 0, 4 * BLOCK)  # the read left nothing in the page cache
         put(e, C, 2, 0, bytes(10), full_replace=True)  # the loan holds no pin: v1's slot is free at once
         assert e.space()[1] == BLOCK and bytes(lent.data) == data[BLOCK + 5 : 4 * BLOCK + 5]
         lent.release()
@@ -686,7 +719,7 @@ def test_a_direct_loan_needs_no_room_in_the_buffer_pool(tmp_path: Path, monkeypa
             lent = e.lend(C, off, n, 1)
             assert bytes(lent.data) == data[off : off + n]
         assert e.lend(C, len(data), 10, 1).data.nbytes == 0
-        assert all(f.direct >= 0 for f in e._slots.files.values()) and not _cached(e, C, 0, len(data))
+        assert all(f.direct >= 0 for f in e._slots.files.values()) and _uncached(e, C, 0, len(data))
 
 
 def test_small_reads_work_on_tmpfs_where_the_page_cache_flag_is_refused(tmp_path: Path) -> None:

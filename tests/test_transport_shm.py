@@ -23,6 +23,8 @@ from kvfs.rpc import RpcClient, RpcServer
 from kvfs.transport import shm
 from kvfs.wire import Limits, Method
 
+from harness import RecordingProxy, authenticated, frames, send_until_closed
+
 TOKEN = "tok"
 MIB = 1 << 20
 
@@ -271,12 +273,11 @@ async def test_concurrent_first_lent_calls_ask_once(nursery, shared):
 
 
 async def raw_frames(address: str, frames: list[bytes]) -> bytes:
-    """Send raw frames on a fresh connection; what the server answered before closing it."""
-    host, port = address.split(":")
-    sock = trio.socket.socket()
-    await sock.connect((host, int(port)))
+    """Send raw frames, sealed in turn, on a fresh authenticated connection; what the server answered after the
+    handshake, before closing the connection."""
+    sock, signer = await authenticated(address, TOKEN)
     for frame in frames:
-        await sock.send(frame)
+        await sock.send(signer.seal(frame))
     got = b""
     with trio.move_on_after(5):
         while chunk := await sock.recv(1 << 16):
@@ -286,7 +287,7 @@ async def raw_frames(address: str, frames: list[bytes]) -> bytes:
 
 
 def request(body: bytes, data_len: int = 0, flags=wire.Flags.SHM, request_id: int = 1, method: Method = LENT) -> bytes:
-    return wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, request_id, method.id, body, data_len, flags)
+    return wire.encode_frame(wire.FrameType.REQUEST, request_id, method.id, body, data_len, flags)
 
 
 @pytest.mark.parametrize("frame, reason", [
@@ -319,6 +320,25 @@ async def test_a_section_outside_the_mapped_arena_closes_the_connection(nursery,
     answer = await raw_frames(address, [offer, outside])
     assert answer  # the handshake was answered, then the connection closed
     assert "outside the client's arena" in caplog.text and received.data == []
+
+
+async def test_a_recorded_shared_memory_setup_replayed_on_another_connection_maps_nothing(nursery, shared, caplog):
+    """SHM_CONNECT travels as a tagged frame of its connection: a recording of it and of a lent call, replayed on
+    another connection (even by a token holder, after a handshake of its own), is refused before anything runs."""
+    server, address, received = await start_server(nursery, shared_memory=True)
+    proxy = RecordingProxy(address)
+    via_proxy = await nursery.start(proxy.serve)
+    buf = shared.take(MIB)
+    memoryview(buf)[:] = pattern(MIB, 5)
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        assert (await client.call(via_proxy, LENT, Req(), data=memoryview(buf), lend=True)).got == MIB
+        assert (await client.connection(via_proxy)).shared_memory
+    recorded = [raw for header, raw in frames(proxy.recorded[0]) if header.method in (shm.SHM_CONNECT.id, LENT.id)]
+    assert len(recorded) == 2 and len(received.data) == 1
+    sock, _ = await authenticated(address, TOKEN)
+    await send_until_closed(sock, b"".join(recorded))
+    assert "does not match this connection's key and sequence" in caplog.text
+    assert len(received.data) == 1 and not any(peer.shared_memory for peer in server.peers)
 
 
 # --------------------------------------------------------------------------------------- another process
