@@ -6,9 +6,10 @@
 Brings up a fresh cluster (``kvfs up``: mgmtd, meta, 3 chunk servers, replicas 3, the mount) in a temp dir,
 writes a new file of ``--size`` in 1 MiB ``write`` calls through a write-only open (how ``cp`` writes) and
 fsyncs it, drops the page cache, reads it back in 1 MiB reads, and samples every process of the cluster
-(``/proc/PID/smaps_rollup``: ``Pss``, ``Pss_Shmem``; ``/proc/PID/status``: ``RssShmem``) about five times a
+(``/proc/PID/smaps_rollup``: ``Pss`` and its part ``Pss_Shmem``; ``/proc/PID/status``: ``RssShmem``) about five times a
 second meanwhile. It prints, per process, the peak PSS during the write and during the read and the PSS
-``--after`` seconds after the read ended (RssShmem beside each), and the same summed over the cluster. PSS
+``--after`` seconds after the read ended (Pss_Shmem and RssShmem beside each), and the same summed over the
+cluster. PSS
 splits each page among the processes that map it, so the cluster's sum counts a shared-memory page once.
 ``--up-arg`` passes options to ``kvfs up`` (repeatable). Needs root (FUSE, ``drop_caches``).
 """
@@ -34,8 +35,8 @@ MIB = 1 << 20
 BLOCK = MIB
 
 
-def memory_of(pid: int) -> tuple[int, int] | None:
-    """(PSS, RssShmem) of ``pid`` in bytes, or None once it is gone."""
+def memory_of(pid: int) -> tuple[int, int, int] | None:
+    """(PSS, its shared-memory part Pss_Shmem, RssShmem) of ``pid`` in bytes, or None once it is gone."""
     try:
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         status = Path(f"/proc/{pid}/status").read_text()
@@ -47,7 +48,7 @@ def memory_of(pid: int) -> tuple[int, int] | None:
         parts = rest.split()
         if len(parts) == 2 and parts[1] == "kB":
             fields[key] = int(parts[0]) << 10
-    return fields.get("Pss", 0), fields.get("RssShmem", 0)
+    return fields.get("Pss", 0), fields.get("Pss_Shmem", 0), fields.get("RssShmem", 0)
 
 
 class Sampler:
@@ -57,20 +58,20 @@ class Sampler:
         self.pids = pids
         self.interval = interval
         self.phase = "idle"
-        self.peaks: dict[str, dict[str, tuple[int, int]]] = {}  # phase -> name (or "sum") -> (pss, shmem) at peak
+        self.peaks: dict[str, dict[str, tuple[int, int, int]]] = {}  # phase -> name (or "sum") -> figures at peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def sample(self) -> dict[str, tuple[int, int]]:
+    def sample(self) -> dict[str, tuple[int, int, int]]:
         now = {name: m for name, pid in self.pids.items() if (m := memory_of(pid)) is not None}
-        now["sum"] = (sum(p for p, _ in now.values()), sum(s for _, s in now.values()))
+        now["sum"] = tuple(sum(column) for column in zip(*now.values()))
         return now
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             now, peaks = self.sample(), self.peaks.setdefault(self.phase, {})
             for name, figures in now.items():
-                if figures[0] > peaks.get(name, (0, 0))[0]:
+                if figures[0] > peaks.get(name, (0, 0, 0))[0]:
                     peaks[name] = figures
 
     def __enter__(self) -> Sampler:
@@ -110,7 +111,7 @@ def read_file(path: Path) -> float:
 
 
 def mib(n: int) -> str:
-    return f"{n / MIB:7.0f}"
+    return f"{n / MIB:5.0f}"
 
 
 def main() -> None:
@@ -131,7 +132,7 @@ def main() -> None:
                        cwd=REPO, stdout=subprocess.DEVNULL, timeout=180)
         pids = {p.stem: int(p.read_text()) for p in sorted((data / "run").glob("*.pid"))}
         sampler = Sampler(pids)
-        rows: dict[str, dict[str, tuple[int, int]]] = {}
+        rows: dict[str, dict[str, tuple[int, int, int]]] = {}
         with sampler:
             rows["idle"] = sampler.sample()
             sampler.phase = "write"
@@ -151,13 +152,13 @@ def main() -> None:
         names = [*pids, "sum"]
         print(f"kvfs up {' '.join(args.up_arg)}: wrote {size >> 20} MiB at {write_mbs:.0f} MB/s, read at "
               f"{read_mbs:.0f} MB/s")
-        print("PSS / RssShmem in MiB (peaks: the sample with the highest PSS of that process, or of the sum)")
-        print(f"{'process':>8} " + " ".join(f"{o:>17}" for o in order))
+        print("PSS / Pss_Shmem / RssShmem in MiB (peaks: the sample with the highest PSS of that process, or of the sum)")
+        print(f"{'process':>8} " + " ".join(f"{o:>23}" for o in order))
         for name in names:
             cells = []
             for o in order:
-                pss, shmem = rows[o].get(name, (0, 0))
-                cells.append(f"{mib(pss)} /{mib(shmem)}")
+                pss, pss_shmem, rss_shmem = rows[o].get(name, (0, 0, 0))
+                cells.append(f"{mib(pss)} /{mib(pss_shmem)} /{mib(rss_shmem)}")
             print(f"{name:>8} " + " ".join(cells))
     finally:
         subprocess.run([*KVFS, "down", "--data", str(data)], cwd=REPO, stdout=subprocess.DEVNULL, timeout=120)

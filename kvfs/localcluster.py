@@ -37,9 +37,9 @@ from kvfs.errors import KvfsError
 
 #: ``kvfs up --memory-mb``'s default: the whole cluster's memory (PSS) while it takes and serves data.
 DEFAULT_MEMORY = 1 << 30
-#: What the budget sets aside before the chunk servers' share: each process's interpreter and code, and the
-#: mount's write buffers (benchmarks/memory_pss.py measures both).
-PROCESS_BASE = 32 << 20
+#: What the budget sets aside before the chunk servers' share: each process's interpreter, code and working heap
+#: (27 MiB idle, more while data moves), and the mount's write buffers (benchmarks/memory_pss.py measures both).
+PROCESS_BASE = 48 << 20
 MOUNT_BUFFERS = 160 << 20
 #: Below this a chunk server's buffers would not hold the chunk writes one client keeps in flight.
 MIN_CHUNKSERVER_MEMORY = 64 << 20
