@@ -8,7 +8,9 @@ that loop and are safe from any number of threads. :class:`AsyncKVClient` gives 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import functools
 import errno
 import os
 import secrets
@@ -26,12 +28,13 @@ from kvfs.config import ClusterConfig, load_config
 from kvfs.craq.client import MgmtdClient
 from kvfs.errors import KvfsError
 from kvfs.meta.client import RemoteMeta
-from kvfs.meta.posix import NAME_MAX, RENAME_NOREPLACE, ROOT_INO
-from kvfs.meta.types import Caller
+from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
+from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
+from kvfs.meta.posix import NAME_MAX, ROOT_INO
+from kvfs.meta.types import Caller, Commit, Found, Layout
 from kvfs.rpc import RpcClient
 
 ROOT_DIR = b"kvcache"
-_TMP_PREFIX = b".put-"
 
 HITS = Counter("kvfs_kvclient_hits", "kvclient gets that found their key")
 MISSES = Counter("kvfs_kvclient_misses", "kvclient gets whose key was absent")
@@ -62,6 +65,12 @@ class ClientClosed(KvfsError):
     default_errno = errno.EBADF
 
 
+class ValueTooLarge(KvfsError):
+    """A value larger than the namespace's whole capacity (``capacity_bytes``): it could never be kept."""
+
+    default_errno = errno.EFBIG
+
+
 def _key(key: str | bytes) -> bytes:
     if isinstance(key, str):
         key = key.encode()
@@ -74,7 +83,7 @@ def _key(key: str | bytes) -> bytes:
         raise InvalidKey(f"key of {len(key)} bytes; at most {NAME_MAX}", errno.ENAMETOOLONG)
     if b"/" in key or b"\0" in key:
         raise InvalidKey("a key may not hold '/' or NUL")
-    if key in (b".", b"..") or key.startswith(_TMP_PREFIX):
+    if key in (b".", b"..") or key.startswith(TEMP_PREFIX):
         raise InvalidKey(f"reserved key {key!r}")
     return key
 
@@ -118,6 +127,7 @@ class _Core:
         self.limit = trio.CapacityLimiter(parallel)
         self._dir: int | None = None
         self._dir_lock = trio.Lock()
+        self.accesses = AccessLog()
 
     async def _subdir(self, parent: int, name: bytes) -> int:
         try:
@@ -158,38 +168,74 @@ class _Core:
                 return None
             raise
 
-    async def put(self, key: bytes, view: memoryview) -> None:
-        if await self._lookup(key) is not None:
-            return  # written once: an existing entry is complete by construction
+    async def put_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[int]:
+        """Write-once puts in two metadata round trips per batch (``begin_puts``, ``commit_puts``), the chunk
+        writes in between in parallel: 0 or -errno per item. A key that exists, or that another put commits
+        first (-EEXIST from the commit), keeps its value and counts as success."""
         d = await self.ns_dir(create=True)
         assert d is not None
-        tmp = _TMP_PREFIX + secrets.token_hex(8).encode()
-        opened = await self.meta.create(self.caller, d, tmp, 0o644, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-        ino, size = opened.attr.ino, len(view)
-        renamed = False
+        temps = [TEMP_PREFIX + secrets.token_hex(8).encode() for _ in items]
+        opened = await per_batch(self.meta.begin_puts, self.caller, d,
+                                 [(key, temp) for (key, _), temp in zip(items, temps)], 0o644)
+        results = [0] * len(items)
+        begun = {i: Commit(temps[i], items[i][0], o.attr.ino, o.session, len(items[i][1]))
+                 for i, o in enumerate(opened) if o is not None}
+        failed = set(begun)  # until committed; their temporary files and sessions go in the end
+
+        async def write(i: int, layout: Layout) -> None:
+            async with self.limit:
+                await self.storage.write(begun[i].ino, layout, 0, items[i][1])  # returns once every replica has it
+
         try:
-            try:
-                if size:
-                    layout = opened.layout or await self.meta.get_layout(self.caller, ino)
-                    async with self.limit:
-                        await self.storage.write(ino, layout, 0, view)  # returns once every replica has it
-                    await self.meta.set_length(self.caller, ino, opened.session, size)
-            finally:
-                await self.meta.close(self.caller, ino, opened.session, size)
-            try:
-                await self.meta.rename(self.caller, d, tmp, d, key, RENAME_NOREPLACE)
-                renamed = True
-                BYTES_WRITTEN.inc(size)
-            except OSError as e:
-                if e.errno != errno.EEXIST:  # EEXIST: another put of this key won; its value stands
-                    raise
+            nonempty = [i for i in begun if begun[i].length]
+            for i, r in zip(nonempty, await self.batch(write, [(i, opened[i].layout) for i in nonempty])):  # type: ignore[union-attr]
+                results[i] = r
+            ready = [i for i in begun if results[i] == 0]
+            for i, r in zip(ready, await per_batch(self.meta.commit_puts, self.caller, d, [begun[i] for i in ready])):
+                if r == 0:
+                    BYTES_WRITTEN.inc(begun[i].length)
+                if r in (0, -errno.EEXIST):  # EEXIST: another put of this key won; meta removed our file
+                    failed.discard(i)
+                else:
+                    results[i] = r
         finally:
-            if not renamed:
+            if failed:
                 with trio.CancelScope(shield=True):
-                    try:
-                        await self.meta.unlink(self.caller, d, tmp)
-                    except OSError:
-                        pass
+                    await self._abandon(d, [begun[i] for i in failed])
+        return results
+
+    async def _abandon(self, d: int, puts: list[Commit]) -> None:
+        """Remove the temporary files of puts that will not commit and end their write sessions, so their chunks
+        are collected now rather than when this client goes; what fails here is left to the orphan sweep."""
+        try:
+            await per_batch(self.meta.batch_unlink, self.caller, d, [p.temp for p in puts])
+            await self.meta.close_sessions(self.caller, [(p.ino, p.session, None) for p in puts])
+        except OSError:
+            pass
+
+    async def lookup_many(self, keys: Sequence[bytes]) -> list[Found | None]:
+        """One ``batch_lookup`` per MAX_BATCH keys: attributes and layout of each, or None."""
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return [None] * len(keys)
+        return await per_batch(self.meta.batch_lookup, self.caller, d, keys)
+
+    async def get_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[int]:
+        """Batch get: one metadata round trip, then every object's chunk reads in parallel."""
+        found = await self.lookup_many([key for key, _ in items])
+        return await self.batch(self._read_found, [(key, f, out) for (key, out), f in zip(items, found)])
+
+    async def _read_found(self, key: bytes, found: Found | None, out: memoryview) -> int:
+        if found is None:
+            MISSES.inc()
+            return -errno.ENOENT
+        return await self._read(key, found.attr, out, found.layout)
+
+    async def remove_many(self, keys: Sequence[bytes]) -> list[int]:
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return [-errno.ENOENT] * len(keys)
+        return await per_batch(self.meta.batch_unlink, self.caller, d, keys)
 
     async def get_into(self, key: bytes, out: memoryview) -> int:
         attr = await self._lookup(key)
@@ -198,18 +244,19 @@ class _Core:
             return -errno.ENOENT
         return await self._read(key, attr, out)
 
-    async def _read(self, key: bytes, attr: Any, out: memoryview) -> int:
+    async def _read(self, key: bytes, attr: Any, out: memoryview, layout: Layout | None = None) -> int:
         size = attr.size
         if size > len(out):
             raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
         if size:
-            layout = await self.meta.get_layout(self.caller, attr.ino)
+            layout = layout or await self.meta.get_layout(self.caller, attr.ino)
             async with self.limit:
                 n = await self.storage.read(attr.ino, layout, 0, out[:size])
             if n != size:
                 raise ShortObject(f"read {n} of {size} bytes of {key!r}")
         HITS.inc()
         BYTES_READ.inc(size)
+        self.accesses.record(key)
         return size
 
     async def get(self, key: bytes) -> bytes | None:
@@ -253,12 +300,21 @@ class _Core:
 class KVClient:
     """Blocking, thread-safe client; one trio loop in a background thread does the I/O."""
 
-    def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16) -> None:
+    def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16,
+                 capacity_bytes: int | None = None, ttl: float | None = None, evict: bool | None = None,
+                 evict_interval: float = 10.0, orphan_grace: float = 600.0, access_flush: float = 1.0) -> None:
+        """``capacity_bytes`` and ``ttl`` (seconds) limit the namespace (kvclient/evict.py); ``evict``: whether
+        this client sweeps it every ``evict_interval`` seconds (by default when it has a limit), removing also
+        temporary files of dead puts older than ``orphan_grace`` seconds; reads are recorded for the LRU order
+        every ``access_flush`` seconds."""
         self.namespace = _key(namespace)
         if not config.meta or not config.mgmtd:
             raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
         self._config = config
         self._parallel = parallel
+        self._policy = EvictionPolicy(capacity_bytes, ttl, orphan_grace, evict_interval)
+        self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
+        self._access_flush = access_flush
         self._registered: dict[int, RegisteredBuffer] = {}
         self._closed = False
         self._token: trio.lowlevel.TrioToken | None = None
@@ -291,13 +347,18 @@ class KVClient:
                 async with rpc_cm as rpc:
                     meta = RemoteMeta(rpc, config.meta)
                     storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=t.call)
-                    self._core = _Core(meta, storage, self.namespace, self._parallel)
+                    core = self._core = _Core(meta, storage, self.namespace, self._parallel)
+                    upkeep = Maintenance(meta, core.caller, lambda: core.ns_dir(create=False), core.accesses,
+                                         self._policy, access_flush=self._access_flush)
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(meta.keep_alive)
+                        nursery.start_soon(functools.partial(upkeep.run, sweep=self._sweep))
                         self._ready.set()
                         await self._stop.wait()
+                        with trio.move_on_after(self._config.timeouts.call), contextlib.suppress(OSError):
+                            await upkeep.flush()  # the last reads count for the LRU order too
                         nursery.cancel_scope.cancel()
                     rpc.close()
             except BaseException as exc:  # noqa: BLE001 - reported to the constructor
@@ -367,19 +428,27 @@ class KVClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
+    def _value(self, value: Any) -> memoryview:
+        view = _as_view(value, writable=False)
+        capacity = self._policy.capacity_bytes
+        if capacity is not None and len(view) > capacity:
+            raise ValueTooLarge(f"a value of {len(view)} bytes; the namespace holds at most {capacity}")
+        return view
+
     def put(self, key: str | bytes, value: Any) -> None:
         self._check_open()
-        k, view = _key(key), _as_view(value, writable=False)
-        self._call(self._core.put, k, view)  # type: ignore[union-attr]
+        (result,) = self._call(self._core.put_many, [(_key(key), self._value(value))])  # type: ignore[union-attr]
+        if result < 0:
+            raise KvfsError(f"put of {key!r} failed: {os.strerror(-result)}", -result)
 
     def batch_put(self, keys: Sequence[str | bytes], values: Sequence[Any]) -> list[int]:
         """0 or -errno per key; bad keys or values raise before anything is written."""
         self._check_open()
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        items = [(_key(k), _as_view(v, writable=False)) for k, v in zip(keys, values)]
+        items = [(_key(k), self._value(v)) for k, v in zip(keys, values)]
         with BATCH_SECONDS.labels("put").time():
-            return self._call(self._core.batch, self._core.put, items)  # type: ignore[union-attr]
+            return self._call(self._core.put_many, items)  # type: ignore[union-attr]
 
     def get_into(self, key: str | bytes, out: Any) -> int:
         """Bytes read into ``out`` (no copy on the way), or -ENOENT; a too-small buffer raises BufferTooSmall."""
@@ -394,7 +463,7 @@ class KVClient:
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
         items = [(_key(k), _as_view(o, writable=True)) for k, o in zip(keys, outs)]
         with BATCH_SECONDS.labels("get").time():
-            return self._call(self._core.batch, self._core.get_into, items)  # type: ignore[union-attr]
+            return self._call(self._core.get_many, items)  # type: ignore[union-attr]
 
     def get(self, key: str | bytes) -> bytes | None:
         self._check_open()
@@ -402,17 +471,10 @@ class KVClient:
 
     def batch_exists(self, keys: Sequence[str | bytes]) -> list[bool]:
         self._check_open()
-        items = [(_key(k),) for k in keys]
-
-        async def exists(k: bytes) -> int:
-            return 1 if await self._core._lookup(k) is not None else 0  # type: ignore[union-attr]
-
+        items = [_key(k) for k in keys]
         with BATCH_SECONDS.labels("exists").time():
-            found = self._call(self._core.batch, exists, items)  # type: ignore[union-attr]
-        for r in found:
-            if r < 0:
-                raise KvfsError(f"lookup failed: {os.strerror(-r)}", -r)
-        return [r == 1 for r in found]
+            found = self._call(self._core.lookup_many, items)  # type: ignore[union-attr]
+        return [f is not None for f in found]
 
     def prefix_hits(self, keys: Sequence[str | bytes]) -> int:
         """How many leading keys are present (the usable prefix of a token sequence's blocks)."""
@@ -430,9 +492,9 @@ class KVClient:
 
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[int]:
         self._check_open()
-        items = [(_key(k),) for k in keys]
+        items = [_key(k) for k in keys]
         with BATCH_SECONDS.labels("remove").time():
-            return self._call(self._core.batch, self._core.remove, items)  # type: ignore[union-attr]
+            return self._call(self._core.remove_many, items)  # type: ignore[union-attr]
 
 
 class AsyncKVClient:
