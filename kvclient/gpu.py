@@ -104,12 +104,12 @@ def probe() -> GpuSupport:
 
 
 def _compat_mode(kvikio: Any) -> bool:
-    """Whether KvikIO reads through POSIX and bounce buffers rather than cuFile (its API moved between versions)."""
-    try:
-        mode = kvikio.defaults.get("compat_mode")
-    except (AttributeError, KeyError, TypeError):
-        mode = kvikio.defaults.compat_mode()
-    return str(getattr(mode, "name", mode)).upper() not in ("OFF", "FALSE", "0")
+    """Whether KvikIO will read through POSIX and bounce buffers rather than cuFile (its mode may be AUTO, so ask
+    what it resolved to; older releases only have ``compat_mode()``, a bool)."""
+    defaults = kvikio.defaults
+    if hasattr(defaults, "is_compat_mode_preferred"):
+        return bool(defaults.is_compat_mode_preferred())
+    return bool(defaults.compat_mode())
 
 
 class GpuBackend:
