@@ -335,8 +335,7 @@ class KVClient:
         return {
             "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
             "transport": self._config.resolved_transport(),
-            "shm_reads": False,
-            "shm_reads_reason": "reads from chunk servers on this host come over TCP; short-circuit reads skip them",
+            "shm_reads": self._config.resolved_shared_memory(),  # what is not short-circuit, from this host's servers
             "short_circuit": bool(reader and reader.short_circuit),
             "short_circuit_reason": reader.off_reason if reader else "the client is closed",
             "gpu": gpu.gpu and gpu.copier is not None,

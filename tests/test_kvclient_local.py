@@ -96,6 +96,22 @@ def test_client_on_another_host_is_refused_and_reads_over_the_network(kv) -> Non
     assert sorted(kv._core.storage._not_local)  # each server that refused is not asked again
 
 
+def test_reads_that_are_not_short_circuit_come_through_shared_memory(kvfs_cluster, kv) -> None:
+    data = random.Random(7).randbytes(2 * MIB + 3)
+    kv.put("n", data)
+    with KVClient.from_config(kvfs_cluster.data / "client.toml", kv.namespace, short_circuit=False) as net:
+        assert net.get("n") == data
+        assert net.capabilities()["short_circuit"] is False and net.capabilities()["shm_reads"] is True
+        core = net._core
+
+        async def replies() -> list[bool]:
+            routing = await core.storage.routing()
+            return [(await core.storage.rpc.connection(a)).links.shared_memory_replies
+                    for a in sorted(set(routing.addresses.values()))]
+
+        assert any(net._call(replies))  # the servers that answered wrote into this process's arena
+
+
 _CLIENT = textwrap.dedent("""
     import hashlib, json, os, sys
     from prometheus_client import REGISTRY
