@@ -7,7 +7,8 @@ Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount, replicatio
 all back in batches of ``--batch``:
 
 * host, short-circuit: ``batch_get_into`` host buffers, the chunks read from this host's replicas' files;
-* host, network: the same with ``short_circuit=False`` (through the chunk servers over loopback);
+* host, network: the same with ``short_circuit=False`` (through the chunk servers, which on this host write the
+  answers into the client's shared memory), and again with shared memory off (loopback TCP);
 * GPU, kvclient GDS path: ``batch_get_into`` GPU buffers (KvikIO reads into GPU memory, CRCs checked on a copy
   back to pinned host memory);
 * GPU, raw KvikIO: ``kvikio.CuFile(path).pread`` of the same slot-file ranges into the same GPU buffers, no
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvfs.config import load_config
 from kvfs.kvclient import KVClient
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
@@ -44,8 +47,9 @@ def payload(i: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-def rate(total_bytes: int, run: Callable[[], Any], repeat: int = 2) -> float:
-    """GB/s of the best of ``repeat`` runs (the first may pay for connections and page faults)."""
+def rate(total_bytes: int, run: Callable[[], Any], repeat: int) -> float:
+    """GB/s of the best of ``repeat`` runs (the first may pay for connections and page faults; a shared machine
+    adds noise)."""
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
@@ -87,7 +91,7 @@ def slot_ranges(kv: KVClient, key: str) -> list[tuple[str, int, int, int]]:
 
 
 def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, batch: int, device: int,
-             total: int) -> list[tuple[str, float]]:
+             total: int, repeat: int) -> list[tuple[str, float]]:
     gpu = GpuBackend(support)
     lib = gpu._lib
     if support.copier == "cupy":
@@ -108,7 +112,7 @@ def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, bat
     rows = []
     if support.gds:
         rows.append(("GPU, kvclient GDS path", rate(total, lambda: (read_all(kv, batches(keys, spans, batch), block),
-                                                                    sync()))))
+                                                                    sync()), repeat)))
         check()
         import kvikio
         plans = [(span.span, slot_ranges(kv, key)) for span, key in zip(spans, keys)]
@@ -126,7 +130,7 @@ def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, bat
 
         for span in spans:
             gpu.to_device(span.span, memoryview(bytes(block)))
-        rows.append(("GPU, raw KvikIO, same files", rate(total, raw)))
+        rows.append(("GPU, raw KvikIO, same files", rate(total, raw, repeat)))
         check()
         for handle in files.values():
             handle.close()
@@ -139,7 +143,7 @@ def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, bat
                 gpu.to_device(span.span, host)
         sync()
 
-    rows.append(("GPU, host read + copy", rate(total, host_then_copy)))
+    rows.append(("GPU, host read + copy", rate(total, host_then_copy, repeat)))
     check()
     return rows
 
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64, help="blocks put and read back")
     parser.add_argument("--batch", type=int, default=16, help="blocks per batch_get_into")
     parser.add_argument("--device", type=int, default=0, help="CUDA device index")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each row; the best counts")
     args = parser.parse_args()
     block, total = args.block_mib * MIB, args.blocks * args.block_mib * MIB
     support = probe()
@@ -169,14 +174,19 @@ def main() -> None:
                     kv.put(key, payload(i, block))
                 outs = [bytearray(block) for _ in range(args.batch)]
                 work = [(part, outs[: len(part)]) for part, _ in batches(keys, keys, args.batch)]
-                rows.append(("host, short-circuit", rate(total, lambda: read_all(kv, work, block))))
+                rows.append(("host, short-circuit", rate(total, lambda: read_all(kv, work, block), args.repeat)))
                 if bytes(outs[0]) != payload((args.blocks - 1) // args.batch * args.batch, block):
                     raise SystemExit("host read returned other bytes than the payload")
                 caps = kv.capabilities()
                 if support.gpu and support.copier is not None:
-                    rows += gpu_rows(kv, support, keys, block, args.batch, args.device, total)
+                    rows += gpu_rows(kv, support, keys, block, args.batch, args.device, total, args.repeat)
             with KVClient(config, "gpu-check", short_circuit=False) as kv:
-                rows.append(("host, network (loopback)", rate(total, lambda: read_all(kv, work, block))))
+                rows.append(("host, network, shared memory", rate(total, lambda: read_all(kv, work, block),
+                                                                  args.repeat)))
+            tcp_only = msgspec.structs.replace(config, shared_memory=False)  # $KVFS_SHM=0 would stop it for all
+            with KVClient(tcp_only, "gpu-check", short_circuit=False) as kv:
+                rows.append(("host, network, loopback TCP", rate(total, lambda: read_all(kv, work, block),
+                                                                 args.repeat)))
         finally:
             cluster.down(echo=lambda *a: None)
     print(f"{args.blocks} blocks of {args.block_mib} MiB, batches of {args.batch}, replication 3;"
