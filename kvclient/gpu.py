@@ -130,10 +130,9 @@ class GpuBackend:
     def staging(self, nbytes: int) -> Iterator[memoryview]:
         """A pinned host buffer of ``nbytes`` for the length of the block, reused afterwards: pinning memory costs
         milliseconds, far more than a chunk's copy."""
-        with self._lock:
-            buf = next((b for b in self._free if len(b) >= nbytes), None)
-            if buf is not None:
-                self._free.remove(buf)
+        with self._lock:  # by position: memoryviews compare by content, so list.remove could take another one
+            at = next((i for i, b in enumerate(self._free) if len(b) >= nbytes), None)
+            buf = None if at is None else self._free.pop(at)
         if buf is None:
             buf = self.pinned(max(nbytes, _MIN_STAGING))
         try:
