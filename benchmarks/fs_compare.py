@@ -2,7 +2,8 @@
 """Compare kvfs with MooseFS and a plain local directory: the same fio jobs and metadata loop on all three, and
 the metadata loop on an in-memory pyfuse3 filesystem (the floor under kvfs's metadata rows).
 
-    sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000]
+    sudo .venv/bin/python benchmarks/fs_compare.py [--size 256M] [--runtime 12] [--files 5000] [--cold-size 1G]
+                                                    [--only ROW,ROW]
                                                     [--meta-rounds 3] [--no-kvfs-fsync | --kvfs-write-through]
                                                     [--skip-kvfs] [--skip-moosefs] [--skip-local] [--skip-pyfuse3]
                                                     [--repeat 1] [--install] [--keep] [--json-out FILE]
@@ -32,7 +33,12 @@ fio jobs (``--output-format=json``, psync, direct=0, one job, fallocate=none):
   ``invalidate=1`` makes fio reopen the file and drop its cached pages before each pass (``time_based``
   would wrap within one open and, after the first pass, measure the page cache);
 * ``randread``       4 KiB random reads for RUNTIME s, the same way: each pass reads every block once, in
-  random order, from a cold page cache; fio advises the kernel the access is random (no readahead).
+  random order, from a cold page cache; fio advises the kernel the access is random (no readahead);
+* ``randread_cold``  the same over a file of ``--cold-size`` (1 GiB: four times the kvfs mount's read cache,
+  more than the chunk servers hold in memory), laid out first, then every kernel cache dropped
+  (``sync; echo 3 > /proc/sys/vm/drop_caches``): the random reads of a dataset larger than the caches;
+* ``randwrite``      4 KiB random writes over a 64 MiB file for RUNTIME s (a database, a log, a build tree);
+  ``randwrite_fsync32`` and ``randwrite_fsync1`` the same with an fsync every 32 writes and after every write.
 
 What stays warm: the servers' own caches (MooseFS's chunk files in the host page cache; kvfs's chunk servers
 write, and read large ranges, around it with O_DIRECT, so their 1 MiB reads come from the disk) and each
@@ -42,7 +48,11 @@ client.
 
 The metadata loop (``--files`` N, a child Python process with os calls, so a hung mount cannot hang the
 script): create (open O_CREAT|O_EXCL + close), stat, unlink, each phase timed on its own, in a fresh dir;
-``--meta-rounds`` times (3), and the table shows each phase's median round.
+``--meta-rounds`` times (3), and the table shows each phase's median round. The cold metadata rows: the
+files are created through the mount, every kernel cache is dropped, and then each is stat-ed and unlinked
+through a second mount of the same file system (a second ``kvfs mount`` or ``mfsmount``; the local directory
+itself), which has looked at nothing yet, as a second host or a fresh mount meets them; their p50 and p99
+latencies are printed beside the cold random reads'. ``--only ROWS`` measures some rows alone.
 
 A second table gives the machine's busy CPU (``/proc/stat``: user, nice, system, irq, softirq) per GiB, per
 random read or per metadata operation: every process and kernel thread of the target (its daemons, the
@@ -91,16 +101,29 @@ MFS_TOOLS = ["mfsmaster", "mfschunkserver", "mfsmount", "mfssetgoal", "mfsgetgoa
 METRICS = [
     ("seqwrite", "seq write 1M", "MB/s"),
     ("seqwrite_fsync", "seq write 1M, end_fsync=1", "MB/s"),
-    ("seqread", "seq read 1M (cold)", "MB/s"),
-    ("randread", "rand read 4K (cold)", "IOPS"),
+    ("seqread", "seq read 1M (cold page cache)", "MB/s"),
+    ("randread", "rand read 4K (cold page cache)", "IOPS"),
+    ("randread_cold", "rand read 4K, all caches cold", "IOPS"),
+    ("randwrite", "rand write 4K", "IOPS"),
+    ("randwrite_fsync32", "rand write 4K, fsync=32", "IOPS"),
+    ("randwrite_fsync1", "rand write 4K, fsync=1", "IOPS"),
     ("create", "create", "ops/s"),
     ("stat", "stat", "ops/s"),
     ("unlink", "unlink", "ops/s"),
+    ("stat_cold", "stat, cold (second mount)", "ops/s"),
+    ("unlink_cold", "unlink after it, cold", "ops/s"),
 ]
+FIO_KEYS = ["seqwrite", "seqwrite_fsync", "seqread", "randread", "randread_cold", "randwrite", "randwrite_fsync32",
+            "randwrite_fsync1"]
+META_KEYS = ["create", "stat", "unlink"]
+COLD_META_KEYS = ["stat_cold", "unlink_cold"]
 
-# machine CPU per unit of work, stored as figures[key + "_cpu"]: per GiB moved, per random read, per operation
-CPU_UNITS = {"MB/s": "CPU-s/GiB", "IOPS": "CPU-us/read", "ops/s": "CPU-us/op"}
+# machine CPU per unit of work, stored as figures[key + "_cpu"]: per GiB moved, per random I/O, per operation
+CPU_UNITS = {"MB/s": "CPU-s/GiB", "IOPS": "CPU-us/IO", "ops/s": "CPU-us/op"}
 CPU_METRICS = [(key, label, CPU_UNITS[unit]) for key, label, unit in METRICS]
+# latency percentiles, stored as figures[key + "_p50"] and figures[key + "_p99"] (microseconds)
+LATENCY_METRICS = [(key, label, "us") for key, label, _ in METRICS if key in ("randread_cold", "stat_cold")]
+RANDWRITE_SIZE = 64 << 20  # the random-write file: a database's or a build tree's working set, not a cache's
 
 
 class BenchError(Exception):
@@ -282,8 +305,10 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
 
 
-def fio_jobs(size: int, runtime: int) -> list[tuple[str, list[str]]]:
+def fio_jobs(size: int, runtime: int, cold_size: int) -> list[tuple[str, list[str]]]:
     common = [f"--size={size}", f"--runtime={runtime}"]
+    randwrite = ["--filename=fio-randwrite", "--rw=randwrite", "--bs=4k", f"--size={RANDWRITE_SIZE}",
+                 "--time_based", f"--runtime={runtime}"]
     return [
         ("seqwrite", ["--name=seqwrite", "--filename=fio-seqwrite", "--rw=write", "--bs=1M", "--time_based",
                       "--end_fsync=0", *common]),
@@ -296,21 +321,46 @@ def fio_jobs(size: int, runtime: int) -> list[tuple[str, list[str]]]:
                      f"--loops={COLD_LOOPS}", *common]),
         ("randread", ["--name=randread", "--filename=fio-data", "--rw=randread", "--bs=4k", "--invalidate=1",
                       f"--loops={COLD_LOOPS}", *common]),
+        # a file several times the client's own read cache, read after every kernel cache was dropped
+        # (run_fio lays it out and drops them first): what a dataset larger than the caches meets
+        ("randread_cold", ["--name=randread_cold", "--filename=fio-cold", "--rw=randread", "--bs=4k",
+                           "--invalidate=1", f"--loops={COLD_LOOPS}", f"--size={cold_size}",
+                           f"--runtime={runtime}"]),
+        ("randwrite", ["--name=randwrite", *randwrite]),
+        ("randwrite_fsync32", ["--name=randwrite_fsync32", "--fsync=32", *randwrite]),
+        ("randwrite_fsync1", ["--name=randwrite_fsync1", "--fsync=1", *randwrite]),
     ]
 
 
-def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, figures: dict[str, float],
+def drop_caches() -> None:
+    """Write back and drop the kernel's page, dentry and inode caches (root only): what a cold start meets."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def run_fio(directory: Path, out_dir: Path, tag: str, args: argparse.Namespace, figures: dict[str, float],
             details: dict[str, Any]) -> bool:
-    """All fio jobs on ``directory``; figures and details are filled in as each job ends.  False if a job
-    timed out (the filesystem looks hung: the rest would only time out too)."""
-    for key, args in fio_jobs(size, runtime):
+    """The selected fio jobs on ``directory``; figures and details are filled in as each job ends.  False if a
+    job timed out (the filesystem looks hung: the rest would only time out too)."""
+    size, runtime = args.size, args.runtime
+    fio = ["fio", "--output-format=json", "--ioengine=psync", "--direct=0", "--numjobs=1", "--fallocate=none",
+           f"--directory={directory}"]
+    for key, job_args in fio_jobs(size, runtime, args.cold_size):
+        if key not in args.only:
+            continue
         out = out_dir / f"fio-{tag}-{key}.json"
-        cmd = ["fio", "--output-format=json", f"--output={out}", "--ioengine=psync", "--direct=0", "--numjobs=1",
-               "--fallocate=none", f"--directory={directory}", *args]
+        cmd = [*fio, f"--output={out}", *job_args]
         # layout of the read file (if the write left it short) + the run + the final fsync: generous bound
-        timeout = 3 * runtime + 120 + size / 5e6
+        timeout = 3 * runtime + 120 + max(size, args.cold_size) / 5e6
         log(f"  fio {key} ...")
         try:
+            if key == "randread_cold":
+                if os.geteuid() != 0:
+                    raise BenchError("needs root to drop the kernel's caches")
+                log(f"    laying out a {args.cold_size / 2**20:,.0f} MiB file, then dropping every kernel cache")
+                run([*fio, "--name=layout", "--filename=fio-cold", "--rw=write", "--bs=1M", "--end_fsync=1",
+                     f"--size={args.cold_size}", f"--output={out_dir / f'fio-{tag}-layout.json'}"], timeout=timeout)
+                drop_caches()
             cpu0 = busy_cpu_seconds()
             r = run(cmd, timeout=timeout, check=False)
             cpu = busy_cpu_seconds() - cpu0
@@ -322,20 +372,24 @@ def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, f
                                  f"{(r.stderr or r.stdout or text).strip()[-800:]}") from None
             if job.get("error"):
                 raise BenchError(f"fio job error {job['error']}: {(r.stderr or '').strip()[-800:]}")
-            side = job["write"] if key.startswith("seqwrite") else job["read"]
-            value = side["iops"] if key == "randread" else side["bw_bytes"] / 1e6
+            side = job["write"] if "write" in key else job["read"]
+            random = key.startswith("rand")
+            value = side["iops"] if random else side["bw_bytes"] / 1e6
             figures[key] = value
             if side["io_bytes"]:
-                figures[key + "_cpu"] = (cpu / side["total_ios"] * 1e6 if key == "randread"
+                figures[key + "_cpu"] = (cpu / side["total_ios"] * 1e6 if random
                                          else cpu / (side["io_bytes"] / 2**30))
+            percentiles = side.get("clat_ns", {}).get("percentile", {})
+            figures[key + "_p50"] = percentiles.get("50.000000", 0) / 1e3
+            figures[key + "_p99"] = percentiles.get("99.000000", 0) / 1e3
             details[key] = {
                 "busy_cpu_s": cpu, "io_bytes": side["io_bytes"], "runtime_ms": side["runtime"], "bw_bytes": side["bw_bytes"],
                 "iops": side["iops"], "clat_mean_us": side.get("clat_ns", {}).get("mean", 0) / 1e3,
-                "clat_p99_us": side.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3,
+                "clat_p50_us": figures[key + "_p50"], "clat_p99_us": figures[key + "_p99"],
             }
-            unit = "IOPS" if key == "randread" else "MB/s"
+            unit = "IOPS" if random else "MB/s"
             log(f"    {value:,.1f} {unit} ({side['io_bytes'] / 2**20:,.0f} MiB in {side['runtime'] / 1e3:.1f} s, "
-                f"mean latency {details[key]['clat_mean_us']:,.0f} us)")
+                f"mean latency {details[key]['clat_mean_us']:,.0f} us, p99 {figures[key + '_p99']:,.0f} us)")
         except BenchError as e:
             log(f"    FAILED: {e}")
             details[key] = {"error": str(e)}
@@ -344,7 +398,8 @@ def run_fio(directory: Path, out_dir: Path, tag: str, size: int, runtime: int, f
                 return False
         if key == "seqwrite":
             remove(directory / "fio-seqwrite")
-    remove(directory / "fio-data")
+    for name in ("fio-data", "fio-cold", "fio-randwrite"):
+        remove(directory / name)
     return True
 
 
@@ -373,6 +428,49 @@ def meta_worker(directory: str, files: int) -> None:
         out[phase + "_cpu"] = (busy_cpu_seconds() - cpu) / files * 1e6
     os.rmdir(d)
     print(json.dumps(out))
+
+
+def meta_cold_worker(create_dir: str, cold_dir: str, files: int) -> None:
+    """Child mode: files created through one mount, every kernel cache dropped, then stat and unlink of each
+    through ``cold_dir`` (the same directory seen by a second mount that never looked at it; for a local disk
+    the same directory). One JSON line on stdout: rates, CPU per op, and stat's latency percentiles."""
+    name = f"meta-cold-{os.getpid()}"
+    made = os.path.join(create_dir, name)
+    os.mkdir(made)
+    for i in range(files):
+        os.close(os.open(os.path.join(made, f"f{i:05d}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    time.sleep(1.0)  # creates a mount answered itself reach the metadata service within milliseconds
+    drop_caches()
+    names = [os.path.join(cold_dir, name, f"f{i:05d}") for i in range(files)]
+    out: dict[str, float] = {}
+    for phase, op in (("stat_cold", os.stat), ("unlink_cold", os.unlink)):
+        took: list[int] = []
+        start, cpu = time.perf_counter(), busy_cpu_seconds()
+        for p in names:
+            t0 = time.perf_counter_ns()
+            op(p)
+            took.append(time.perf_counter_ns() - t0)
+        out[phase] = files / (time.perf_counter() - start)
+        out[phase + "_cpu"] = (busy_cpu_seconds() - cpu) / files * 1e6
+        took.sort()
+        out[phase + "_p50"] = took[len(took) // 2] / 1e3
+        out[phase + "_p99"] = took[min(len(took) - 1, len(took) * 99 // 100)] / 1e3
+    os.rmdir(os.path.join(cold_dir, name))
+    print(json.dumps(out))
+
+
+def run_meta_cold(directory: Path, cold_dir: Path, files: int, figures: dict[str, float]) -> None:
+    log(f"  cold metadata: {files:,} files created, caches dropped, stat and unlink through {cold_dir.parent.name}")
+    try:
+        r = run([sys.executable, os.path.abspath(__file__), "--meta-cold-worker", str(directory), str(cold_dir),
+                 str(files)], timeout=max(300.0, files * 0.3))
+        found = json.loads(r.stdout.strip().splitlines()[-1])
+    except (BenchError, ValueError, IndexError) as e:
+        log(f"    FAILED: {e}")
+        return
+    log("    " + ", ".join(f"{k} {found[k]:,.0f}/s (p50 {found[k + '_p50']:,.0f} us, p99 {found[k + '_p99']:,.0f} us)"
+                          for k in COLD_META_KEYS))
+    figures.update(found)
 
 
 def run_meta(directory: Path, files: int, rounds: int, figures: dict[str, float]) -> None:
@@ -412,6 +510,11 @@ class Target:
     def setup(self) -> Path:
         raise NotImplementedError
 
+    def second_view(self, directory: Path) -> Path | None:
+        """``directory`` as a second client of the same file system sees it, one that has looked at nothing
+        yet (for the cold metadata rows), or None where there is no such thing."""
+        return None
+
     def teardown(self) -> None:
         pass
 
@@ -426,6 +529,9 @@ class LocalTarget(Target):
         self.notes.append(f"local dir {d} ({fs})")
         return d
 
+    def second_view(self, directory: Path) -> Path | None:
+        return directory  # one kernel: dropping its caches is as cold as a local disk gets
+
 
 class KvfsTarget(Target):
     name = "kvfs"
@@ -434,6 +540,8 @@ class KvfsTarget(Target):
         super().__init__(work, args)
         self.data = work / "kvfs-data"
         self.mnt = work / "kvfs-mnt"
+        self.mnt2 = work / "kvfs-mnt2"
+        self.mount2: subprocess.Popen | None = None
         self.kvfs = self._kvfs_cmd()
         self.durability = ["--fsync", "--write-through"] if args.kvfs_write_through else [
             "--fsync" if args.kvfs_fsync else "--no-fsync"]
@@ -483,7 +591,22 @@ class KvfsTarget(Target):
         run(["mkdir", "-p", str(d)], timeout=30)
         return d
 
+    def second_view(self, directory: Path) -> Path | None:
+        """A second ``kvfs mount`` of the cluster, as another host's client would have it."""
+        assert self.kvfs is not None
+        self.mnt2.mkdir(parents=True, exist_ok=True)
+        with open(self.data / "logs" / "mount2.log", "ab") as out:
+            self.mount2 = m = subprocess.Popen(
+                [*self.kvfs, "mount", "--config", str(self.data / "client.toml"), str(self.mnt2)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, cwd=str(REPO))
+        wait_for(lambda: mount_entry(self.mnt2) is not None, 60, "a second kvfs mount", alive=lambda: m.poll() is None)
+        check_mounted(self.mnt2, "fuse.kvfs")
+        return self.mnt2 / directory.relative_to(self.mnt)
+
     def teardown(self) -> None:
+        if self.mount2 is not None:
+            unmount(self.mnt2, "the second kvfs mount")
+            stop_process(self.mount2, "the second kvfs mount", 20)
         if (self.data / "local.json").exists():
             log("  kvfs down ...")
             try:
@@ -570,6 +693,8 @@ class MooseFSTarget(Target):
         self.master: subprocess.Popen | None = None
         self.chunkservers: list[subprocess.Popen] = []
         self.mount_proc: subprocess.Popen | None = None
+        self.mnt2 = work / "moosefs-mnt2"
+        self.mount2: subprocess.Popen | None = None
         self.made_netns = False
 
     def unavailable(self) -> str | None:
@@ -716,14 +841,7 @@ class MooseFSTarget(Target):
         ports = {MFS_CS_PORT0 + i for i in range(3)}
         wait_for(lambda: self._registered() >= ports, 60, "all 3 chunk servers registered with mfsmaster",
                  alive=lambda: master.poll() is None)
-        self.mnt.mkdir(parents=True, exist_ok=True)
-        self.mount_proc = mp = self._spawn("mfsmount", [
-            "mfsmount", str(self.mnt), "-f", "-H", NS_IP, "-P", str(MFS_MASTER_PORTS["cl"]), "-o", "mfsnice=0"])
-        try:
-            wait_for(lambda: mount_entry(self.mnt) is not None, 30, "mfsmount", alive=lambda: mp.poll() is None)
-        except BenchError as e:
-            raise BenchError(f"{e}; mfsmount log:\n{self._log_tail('mfsmount')}") from None
-        check_mounted(self.mnt, "fuse", f"mfs#{NS_IP}:")
+        self.mount_proc = self._mount(self.mnt, "mfsmount")
         run(["mfssetgoal", "-r", "3", str(self.mnt)], timeout=30)
         run(["mfssettrashtime", "-r", "0", str(self.mnt)], timeout=30)
         goal = run(["mfsgetgoal", str(self.mnt)], timeout=30).stdout.strip()
@@ -733,6 +851,22 @@ class MooseFSTarget(Target):
         d = self.mnt / "bench"
         run(["mkdir", "-p", str(d)], timeout=30)
         return d
+
+    def _mount(self, mnt: Path, name: str) -> subprocess.Popen:
+        mnt.mkdir(parents=True, exist_ok=True)
+        mp = self._spawn(name, ["mfsmount", str(mnt), "-f", "-H", NS_IP, "-P", str(MFS_MASTER_PORTS["cl"]),
+                                "-o", "mfsnice=0"])
+        try:
+            wait_for(lambda: mount_entry(mnt) is not None, 30, name, alive=lambda: mp.poll() is None)
+        except BenchError as e:
+            raise BenchError(f"{e}; {name} log:\n{self._log_tail(name)}") from None
+        check_mounted(mnt, "fuse", f"mfs#{NS_IP}:")
+        return mp
+
+    def second_view(self, directory: Path) -> Path | None:
+        """A second mfsmount of the same master, as another host's client would have it."""
+        self.mount2 = self._mount(self.mnt2, "mfsmount2")
+        return self.mnt2 / directory.relative_to(self.mnt)
 
     def _registered(self) -> set[int]:
         """Chunk server ports the master logged a completed registration for."""
@@ -760,6 +894,9 @@ class MooseFSTarget(Target):
             time.sleep(1)
 
     def teardown(self) -> None:
+        if self.mount2 is not None or mount_entry(self.mnt2) is not None:
+            unmount(self.mnt2, "the second MooseFS mount")
+            stop_process(self.mount2, "mfsmount2", 10)
         if self.mount_proc is not None or mount_entry(self.mnt) is not None:
             log("  unmounting MooseFS ...")
             unmount(self.mnt, "MooseFS")
@@ -796,13 +933,16 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(results: dict[str, dict[str, float]], metrics: list[tuple[str, str, str]] = METRICS,
-          suffix: str = "") -> str:
-    """Markdown table of ``metrics``; each figure is ``results[target][key + suffix]``."""
+          suffix: str = "", suffixes: bool = False) -> str:
+    """Markdown table of ``metrics`` that some target measured; each figure is ``results[target][key + suffix]``
+    (``suffixes``: the suffix is the label's last word, as in "..., p99")."""
     cols = ["kvfs", "moosefs", "local", "pyfuse3"]
     head = ["metric", "unit", "kvfs", "MooseFS", "local", "pyfuse3", "kvfs/MooseFS", "kvfs/local", "kvfs/pyfuse3"]
     rows = []
     for key, label, unit in metrics:
-        vals = [results.get(c, {}).get(key + suffix) for c in cols]
+        vals = [results.get(c, {}).get(key + ("_" + label.rsplit(" ", 1)[1] if suffixes else suffix)) for c in cols]
+        if all(v is None for v in vals):
+            continue
         rows.append([label, unit, *(fmt(v) for v in vals), ratio(vals[0], vals[1]), ratio(vals[0], vals[2]),
                      ratio(vals[0], vals[3])])
     return markdown(head, rows, text_columns=2)
@@ -856,11 +996,17 @@ def measure_target(target: Target, args: argparse.Namespace, work: Path, have_fi
             skipped[target.name] = f"set-up failed: {e}"
             return 1
         figures = results[target.name] = {}
-        if have_fio and target.has_data:
+        if have_fio and target.has_data and args.only & set(FIO_KEYS):
             details[target.name] = {}
-            if not run_fio(directory, work, target.name, args.size, args.runtime, figures, details[target.name]):
+            if not run_fio(directory, work, target.name, args, figures, details[target.name]):
                 return 1  # (the finally below tears it down)
-        run_meta(directory, args.files, args.meta_rounds, figures)
+        if args.only & set(META_KEYS):
+            run_meta(directory, args.files, args.meta_rounds, figures)
+        if args.only & set(COLD_META_KEYS):
+            if os.geteuid() != 0:
+                log("  cold metadata rows: skipped, dropping the kernel's caches needs root")
+            elif (cold := target.second_view(directory)) is not None:
+                run_meta_cold(directory, cold, args.files, figures)
     finally:
         with signals_deferred():
             log(f"  tearing down {target.name}")
@@ -890,6 +1036,8 @@ def pass_ratios(passes: list[dict[str, dict[str, float]]]) -> str:
         ratios = [p["kvfs"][key] / p["moosefs"][key] if p.get("kvfs", {}).get(key) and p.get("moosefs", {}).get(key)
                   else None for p in passes]
         known = [r for r in ratios if r is not None]
+        if not known:
+            continue
         rows.append([label, *(f"{r:.2f}x" if r is not None else "-" for r in ratios),
                      f"{sum(r >= 1 for r in known)} of {len(known)}"])
     return markdown(head, rows, text_columns=1)
@@ -912,10 +1060,18 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--meta-worker":
         meta_worker(sys.argv[2], int(sys.argv[3]))
         return 0
+    if len(sys.argv) == 5 and sys.argv[1] == "--meta-cold-worker":
+        meta_cold_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=parse_size, default=parse_size("256M"), help="fio file size (default 256M)")
     p.add_argument("--runtime", type=int, default=12, help="seconds per fio job (default 12)")
+    p.add_argument("--cold-size", type=parse_size, default=parse_size("1G"),
+                   help="file of the cold random-read row: several times the clients' read caches (kvfs's is "
+                        "256 MiB by default) and the chunk servers' memory (default 1G)")
+    p.add_argument("--only", type=lambda s: set(s.split(",")), default=None,
+                   help="comma-separated rows to measure (default all): " + ",".join(k for k, _, _ in METRICS))
     p.add_argument("--files", type=int, default=5000, help="files in the metadata loop (default 5000)")
     p.add_argument("--meta-rounds", type=int, default=3,
                    help="metadata loops per target; the table shows the median (default 3)")
@@ -939,6 +1095,11 @@ def main() -> int:
     args = p.parse_args()
     if args.runtime < 1 or args.files < 1 or args.meta_rounds < 1 or args.repeat < 1 or args.size < 1 << 20:
         p.error("--runtime, --files, --meta-rounds and --repeat must be positive, --size at least 1M")
+    known = {k for k, _, _ in METRICS}
+    if args.only is None:
+        args.only = known
+    elif args.only - known:
+        p.error(f"--only: unknown rows {', '.join(sorted(args.only - known))}; known: {', '.join(sorted(known))}")
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
@@ -1002,6 +1163,11 @@ def main() -> int:
     print("Machine CPU per unit of work (all processes and kernel threads, busy time from /proc/stat); "
           "here ratios > 1 mean kvfs spends more CPU:")
     print(table(results, CPU_METRICS, "_cpu"))
+    if args.only & {k for k, _, _ in LATENCY_METRICS}:
+        print()
+        print("Latency of one cold operation, microseconds; here ratios > 1 mean kvfs takes longer:")
+        print(table(results, [(k, f"{label}, {q}", "us") for k, label, _ in LATENCY_METRICS for q in ("p50", "p99")],
+                    suffixes=True))
     if len(passes) > 1 and all("kvfs" in p and "moosefs" in p for p in passes):
         print()
         print("kvfs/MooseFS in each pass:")

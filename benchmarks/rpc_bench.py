@@ -5,6 +5,7 @@
 The server runs in its own process (as it would in a cluster) so client and server each get a core.
 Figures:
   * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection);
+  * new connections/s: connect, authenticate and make one small call, one at a time;
   * bulk GB/s for 1, 4 and 16 MiB data sections, client -> server (write-like) and server -> client
     (read-like, received with recv_into straight into a reused buffer), 4 in flight;
   * the same sizes through a plain socket pump (sendall / recv_into a reused buffer, 1-byte ack) as the ceiling.
@@ -116,6 +117,12 @@ async def rpc_figures(address: str, seconds: float) -> dict[str, float]:
         await client.call(address, PING, Req())
         out["ping-pong calls/s"] = await rate(seconds, 1, lambda: client.call(address, PING, Req()))
         out["pipelined x64 calls/s"] = await rate(seconds, 64, lambda: client.call(address, PING, Req()))
+
+        async def reconnect():
+            client.close()  # the next call opens (and authenticates) a new connection
+            await client.call(address, PING, Req())
+
+        out["new connection + call/s"] = await rate(seconds, 1, reconnect)
         for size in SIZES:
             payload = memoryview(bytes(size))
             put_rate = await rate(seconds, 4, lambda: client.call(address, PUT, Req(), data=payload))

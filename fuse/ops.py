@@ -36,7 +36,7 @@ from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache
 from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
-from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, chunk_pieces, parallel
+from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, parallel, per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -712,16 +712,7 @@ class KvfsOperations(pyfuse3.Operations):
         if self.cache is not None and end - off <= _CACHED_READ:
             return await self._read_cached(st, off, end)
         out = RECEIVED.take(end - off)  # every byte is filled below (holes as zeros by storage.read)
-        view = memoryview(out)
-        pieces = list(chunk_pieces(st.layout.chunk_size, off, end - off))
-        if len(pieces) == 1:
-            await self.storage.read(st.ino, st.layout, off, view)
-        else:
-            async def one(p_off: int, b: int, n: int) -> None:
-                async with self.read_limit:
-                    await self.storage.read(st.ino, st.layout, p_off, view[b:b + n])
-
-            await parallel(one, pieces)
+        await per_chunk(self.storage.read, st.ino, st.layout, off, memoryview(out), self.read_limit)
         return out
 
     async def _read_cached(self, st: InodeState, off: int, end: int) -> bytearray:

@@ -144,15 +144,7 @@ class WriteBack:
     async def _write_through(self, h: Handle, off: int, data: memoryview) -> None:
         """Write ``data`` at ``off`` (chunk pieces in parallel), then report the new end to meta."""
         st = h.state
-        pieces = list(chunk_pieces(st.layout.chunk_size, off, len(data)))
-        if len(pieces) == 1:
-            await self.storage.write(st.ino, st.layout, off, data)
-        else:
-            async def one(p_off: int, b: int, n: int) -> None:
-                async with self.write_limit:
-                    await self.storage.write(st.ino, st.layout, p_off, data[b:b + n])
-
-            await parallel(one, pieces)
+        await per_chunk(self.storage.write, st.ino, st.layout, off, data, self.write_limit)
         end = off + len(data)
         st.size = max(st.size, end)
         if h.session is not None:
@@ -228,7 +220,24 @@ async def parallel(fn: Callable[..., Any], pieces: list[tuple]) -> None:
             nursery.start_soon(fn, *piece)
 
 
-def chunk_pieces(chunk_size: int, offset: int, length: int):
+async def per_chunk(io: Callable[..., Any], ino: int, layout: Layout, offset: int, view: memoryview,
+                    limit: trio.CapacityLimiter) -> None:
+    """``io(ino, layout, offset, piece)`` for each chunk-aligned piece of ``view`` (the file's bytes from
+    ``offset``): pieces of different chunks may be on different chains, so they travel side by side, at most
+    ``limit`` of the mount's at once."""
+    pieces = list(_chunk_pieces(layout.chunk_size, offset, len(view)))
+    if len(pieces) == 1:
+        await io(ino, layout, offset, view)
+        return
+
+    async def one(piece_offset: int, start: int, n: int) -> None:
+        async with limit:
+            await io(ino, layout, piece_offset, view[start:start + n])
+
+    await parallel(one, pieces)
+
+
+def _chunk_pieces(chunk_size: int, offset: int, length: int):
     """(file offset, buffer offset, length) of each chunk-aligned piece of a range."""
     pos, end = offset, offset + length
     while pos < end:

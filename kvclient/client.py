@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import errno
 import os
@@ -28,10 +27,13 @@ from kvfs.config import ClusterConfig, load_config
 from kvfs.craq.client import MgmtdClient
 from kvfs.errors import KvfsError
 from kvfs.meta.client import RemoteMeta
-from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
-from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.meta.posix import NAME_MAX, ROOT_INO
 from kvfs.meta.types import Caller, Commit, Found, Layout
+from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
+from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
+from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
+from kvfs.kvclient.local import ChunkReader
+from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
 
 ROOT_DIR = b"kvcache"
@@ -88,40 +90,14 @@ def _key(key: str | bytes) -> bytes:
     return key
 
 
-class RegisteredBuffer:
-    """Host memory at a raw address, registered with :meth:`KVClient.register_buffer`; usable as a value or an
-    output buffer (it supports the buffer protocol through ``view``)."""
-
-    def __init__(self, ptr: int, size: int, device: str) -> None:
-        self.ptr, self.size, self.device = ptr, size, device
-        self.view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(b"")
-
-
-def _as_view(value: Any, *, writable: bool) -> memoryview:
-    """A flat byte view of a value without copying; torch tensors on the CPU go through ``.numpy()``."""
-    if isinstance(value, RegisteredBuffer):
-        return value.view
-    if hasattr(value, "is_cuda") and hasattr(value, "numpy"):  # torch.Tensor
-        if value.is_cuda:
-            raise TypeError("GPU tensors are not supported yet (capabilities()['gpu'] is False)")
-        value = value.detach().numpy()
-    try:
-        view = memoryview(value)
-    except TypeError:
-        raise TypeError(f"{type(value).__name__} does not support the buffer protocol") from None
-    if not view.c_contiguous:
-        raise TypeError("the buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise TypeError("the output buffer is read-only")
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
-
-
 class _Core:
     """The trio side: everything here runs on the client's event loop."""
 
-    def __init__(self, meta: RemoteMeta, storage: StorageClient, namespace: bytes, parallel: int) -> None:
+    def __init__(self, meta: RemoteMeta, storage: StorageClient, reader: ChunkReader, namespace: bytes,
+                 parallel: int) -> None:
         self.meta = meta
         self.storage = storage
+        self.reader = reader
         self.namespace = namespace
         self.caller = Caller(os.getuid(), os.getgid(), client=meta.client_id)
         self.limit = trio.CapacityLimiter(parallel)
@@ -220,12 +196,12 @@ class _Core:
             return [None] * len(keys)
         return await per_batch(self.meta.batch_lookup, self.caller, d, keys)
 
-    async def get_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[int]:
+    async def get_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int]:
         """Batch get: one metadata round trip, then every object's chunk reads in parallel."""
         found = await self.lookup_many([key for key, _ in items])
         return await self.batch(self._read_found, [(key, f, out) for (key, out), f in zip(items, found)])
 
-    async def _read_found(self, key: bytes, found: Found | None, out: memoryview) -> int:
+    async def _read_found(self, key: bytes, found: Found | None, out: memoryview | DeviceSpan) -> int:
         if found is None:
             MISSES.inc()
             return -errno.ENOENT
@@ -237,23 +213,22 @@ class _Core:
             return [-errno.ENOENT] * len(keys)
         return await per_batch(self.meta.batch_unlink, self.caller, d, keys)
 
-    async def get_into(self, key: bytes, out: memoryview) -> int:
+    async def get_into(self, key: bytes, out: memoryview | DeviceSpan) -> int:
         attr = await self._lookup(key)
         if attr is None:
             MISSES.inc()
             return -errno.ENOENT
         return await self._read(key, attr, out)
 
-    async def _read(self, key: bytes, attr: Any, out: memoryview, layout: Layout | None = None) -> int:
+    async def _read(self, key: bytes, attr: Any, out: memoryview | DeviceSpan,
+                    layout: Layout | None = None) -> int:
         size = attr.size
         if size > len(out):
             raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
         if size:
             layout = layout or await self.meta.get_layout(self.caller, attr.ino)
             async with self.limit:
-                n = await self.storage.read(attr.ino, layout, 0, out[:size])
-            if n != size:
-                raise ShortObject(f"read {n} of {size} bytes of {key!r}")
+                await self.reader.read(attr.ino, layout, size, out)
         HITS.inc()
         BYTES_READ.inc(size)
         self.accesses.record(key)
@@ -301,12 +276,14 @@ class KVClient:
     """Blocking, thread-safe client; one trio loop in a background thread does the I/O."""
 
     def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16,
-                 capacity_bytes: int | None = None, ttl: float | None = None, evict: bool | None = None,
-                 evict_interval: float = 10.0, orphan_grace: float = 600.0, access_flush: float = 1.0) -> None:
-        """``capacity_bytes`` and ``ttl`` (seconds) limit the namespace (kvclient/evict.py); ``evict``: whether
-        this client sweeps it every ``evict_interval`` seconds (by default when it has a limit), removing also
-        temporary files of dead puts older than ``orphan_grace`` seconds; reads are recorded for the LRU order
-        every ``access_flush`` seconds."""
+                 short_circuit: bool | None = None, capacity_bytes: int | None = None, ttl: float | None = None,
+                 evict: bool | None = None, evict_interval: float = 10.0, orphan_grace: float = 600.0,
+                 access_flush: float = 1.0) -> None:
+        """``short_circuit``: read replicas on this host from their files (default ``$KVFS_SHORT_CIRCUIT``, else
+        on); it is off by itself where this user cannot open the chunk servers' files. ``capacity_bytes`` and
+        ``ttl`` (seconds) limit the namespace (kvclient/evict.py); ``evict``: whether this client sweeps it every
+        ``evict_interval`` seconds (by default when it has a limit), removing also temporary files of dead puts
+        older than ``orphan_grace`` seconds; reads are recorded for the LRU order every ``access_flush`` seconds."""
         self.namespace = _key(namespace)
         if not config.meta or not config.mgmtd:
             raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
@@ -315,6 +292,12 @@ class KVClient:
         self._policy = EvictionPolicy(capacity_bytes, ttl, orphan_grace, evict_interval)
         self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
         self._access_flush = access_flush
+        if short_circuit is None:
+            short_circuit = os.environ.get("KVFS_SHORT_CIRCUIT", "1") != "0"
+        self._short_circuit = short_circuit
+        self._gpu_lock = threading.Lock()
+        self._gpu_support: GpuSupport | None = None
+        self._gpu: GpuBackend | None = None
         self._registered: dict[int, RegisteredBuffer] = {}
         self._closed = False
         self._token: trio.lowlevel.TrioToken | None = None
@@ -347,7 +330,9 @@ class KVClient:
                 async with rpc_cm as rpc:
                     meta = RemoteMeta(rpc, config.meta)
                     storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=t.call)
-                    core = self._core = _Core(meta, storage, self.namespace, self._parallel)
+                    reader = ChunkReader(storage, short_circuit=self._short_circuit, gpu_support=self.gpu_support,
+                                         gpu=self._gpu_backend, parallel=self._parallel)
+                    core = self._core = _Core(meta, storage, reader, self.namespace, self._parallel)
                     upkeep = Maintenance(meta, core.caller, lambda: core.ns_dir(create=False), core.accesses,
                                          self._policy, access_flush=self._access_flush)
                     self._token = trio.lowlevel.current_trio_token()
@@ -391,6 +376,10 @@ class KVClient:
             except trio.RunFinishedError:
                 pass
         self._thread.join(30)
+        if self._core is not None:
+            self._core.reader.close()
+        if self._gpu is not None:
+            self._gpu.close()
 
     def __enter__(self) -> KVClient:
         return self
@@ -400,23 +389,40 @@ class KVClient:
 
     # ---------------------------------------------------------------------------- the API
     def capabilities(self) -> dict[str, Any]:
+        """What this client can do here, each with the reason where it cannot; probing the GPU imports a GPU
+        library only on a host with an NVIDIA device."""
+        reader = self._core.reader if self._core is not None and not self._closed else None
+        gpu = self.gpu_support()
         return {
             "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
             "transport": self._config.resolved_transport(),
-            "short_circuit": False,
-            "short_circuit_reason": "not implemented yet: every read goes through the chunk servers",
-            "gds": False,
-            "gds_reason": "GPUDirect Storage is not implemented",
-            "gpu": False,
-            "gpu_reason": "values and buffers must be host memory for now",
+            "shm_reads": self._config.resolved_shared_memory(),  # what is not short-circuit, from this host's servers
+            "short_circuit": bool(reader and reader.short_circuit),
+            "short_circuit_reason": reader.off_reason if reader else "the client is closed",
+            "gpu": gpu.gpu and gpu.copier is not None,
+            "gpu_copier": gpu.copier,
+            "gds": gpu.gds,
+            "gds_direct": gpu.gds_direct,
+            "gpu_reason": gpu.reason,
         }
 
+    def gpu_support(self) -> GpuSupport:
+        """What this process can do with GPU memory (probed once)."""
+        with self._gpu_lock:
+            if self._gpu_support is None:
+                self._gpu_support = probe()
+            return self._gpu_support
+
+    def _gpu_backend(self) -> GpuBackend:
+        support = self.gpu_support()
+        with self._gpu_lock:
+            if self._gpu is None:
+                self._gpu = GpuBackend(support)
+            return self._gpu
+
     def register_buffer(self, ptr: int, size: int, device: str = "cpu") -> RegisteredBuffer:
-        """Register host memory at a raw address; pass the returned object as a value or output buffer."""
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported yet; only 'cpu'")
-        if not isinstance(ptr, int) or not isinstance(size, int) or size < 0 or (ptr == 0 and size):
-            raise ValueError("register_buffer needs an address and a size >= 0")
+        """Register memory at a raw address (host memory for ``"cpu"``, GPU memory for ``"cuda"``/``"cuda:N"``);
+        pass the returned object as a value or an output buffer. Bad arguments raise ValueError."""
         buf = RegisteredBuffer(ptr, size, device)
         self._registered[ptr] = buf
         return buf
@@ -429,11 +435,25 @@ class KVClient:
             raise ClientClosed("the client is closed")
 
     def _value(self, value: Any) -> memoryview:
-        view = _as_view(value, writable=False)
+        """A value's bytes in host memory: GPU memory is copied out first (chunk servers take host bytes). A value
+        larger than the namespace's capacity could never be kept: ValueTooLarge."""
+        buf = as_buffer(value, writable=False)
         capacity = self._policy.capacity_bytes
-        if capacity is not None and len(view) > capacity:
-            raise ValueTooLarge(f"a value of {len(view)} bytes; the namespace holds at most {capacity}")
-        return view
+        if capacity is not None and len(buf) > capacity:
+            raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
+        if isinstance(buf, DeviceSpan):
+            host = memoryview(bytearray(len(buf)))
+            self._gpu_backend().to_host(host, buf)
+            return host
+        return buf
+
+    def _out(self, out: Any) -> memoryview | DeviceSpan:
+        """An output buffer; for GPU memory the GPU backend is set up first, so a host without one raises
+        GpuUnavailable before anything is read."""
+        buf = as_buffer(out, writable=True)
+        if isinstance(buf, DeviceSpan):
+            self._gpu_backend()
+        return buf
 
     def put(self, key: str | bytes, value: Any) -> None:
         self._check_open()
@@ -453,7 +473,7 @@ class KVClient:
     def get_into(self, key: str | bytes, out: Any) -> int:
         """Bytes read into ``out`` (no copy on the way), or -ENOENT; a too-small buffer raises BufferTooSmall."""
         self._check_open()
-        k, view = _key(key), _as_view(out, writable=True)
+        k, view = _key(key), self._out(out)
         return self._call(self._core.get_into, k, view)  # type: ignore[union-attr]
 
     def batch_get_into(self, keys: Sequence[str | bytes], outs: Sequence[Any]) -> list[int]:
@@ -461,7 +481,7 @@ class KVClient:
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
-        items = [(_key(k), _as_view(o, writable=True)) for k, o in zip(keys, outs)]
+        items = [(_key(k), self._out(o)) for k, o in zip(keys, outs)]
         with BATCH_SECONDS.labels("get").time():
             return self._call(self._core.get_many, items)  # type: ignore[union-attr]
 

@@ -9,8 +9,10 @@ directly and wait for readiness only when it is empty or full: a small call's ro
 passes, and this leaves one per side where trio's socket methods took several. Handlers registered ``inline``
 run in the reader task (no task per call).
 
-Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame closes that one
-connection with a logged reason; every other connection keeps being served.
+Every connection opens with the handshake of :mod:`kvfs.auth`, which proves both sides hold the cluster token and
+gives the connection its own frame keys; every later frame is tagged with them and an implicit sequence number.
+Servers survive bad peers: a malformed, truncated, oversized or unauthenticated frame (a replayed one included)
+closes that one connection with a logged reason; every other connection keeps being served.
 
 Data sections may travel another way, negotiated per connection by :mod:`kvfs.transport.negotiate` (the
 handshakes and the link state they leave; this module only asks it, per frame, how a section goes):
@@ -18,6 +20,8 @@ handshakes and the link state they leave; this module only asks it, per frame, h
 * lent data sections (``lend=True``: chunk writes and their forwards) through shared memory when client and server
   share a host (:mod:`kvfs.transport.shm`, ``$KVFS_SHM``): the frame names where the bytes lie in the client's
   arena and the server copies them out, one memcpy instead of two copies and a TCP stack on each side;
+* answers' data sections (``into=``: chunk reads) to a client on the same host: the request names a buffer in the
+  client's arena, the server writes the data there and the client copies it into ``into`` (``Flags.SHM_REPLY``);
 * large data sections by RDMA (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): the frame carries
   a descriptor of a registered slab in place of the bytes and the server RDMA-READs/WRITEs it
   (:mod:`kvfs.transport.link`).
@@ -44,7 +48,7 @@ import msgspec
 import prometheus_client
 import trio
 
-from kvfs import wire
+from kvfs import auth, wire
 from kvfs.errors import (
     AuthError,
     ConnectionLost,
@@ -71,6 +75,8 @@ Buffer: TypeAlias = bytes | bytearray | memoryview
 #: back to back without joining them).
 HandlerResult: TypeAlias = msgspec.Struct | tuple[msgspec.Struct, Buffer | Sequence[Buffer]]
 Handler: TypeAlias = Callable[[Any, memoryview | None, "CallContext"], Awaitable[HandlerResult]]
+#: Sends one whole frame: a socket's sendall, or a connection writer's ``put``.
+SendFrame: TypeAlias = Callable[[bytes], Awaitable[None]]
 
 RPC_CALLS = prometheus_client.Counter("kvfs_rpc_calls", "RPC calls served", ["method", "errno"])
 RPC_SECONDS = prometheus_client.Histogram("kvfs_rpc_seconds", "Time spent in RPC handlers", ["method"])
@@ -83,6 +89,8 @@ _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
 _YIELD_EVERY = 64
 _QUEUE_LIMIT = 4 * 1024 * 1024
+#: Handshake frames are a nonce or a MAC in a few bytes of msgpack; anything larger is not a handshake.
+_HANDSHAKE_LIMITS = Limits(max_body=256)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -202,8 +210,11 @@ class _Writer:
     are in the kernel: callers may reuse their buffers, and a peer that stops reading pushes back.
     """
 
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(self, sock: trio.socket.SocketType, signer: Signer | None = None) -> None:
         self._fd = sock.fileno()
+        #: Seals each frame as it is queued, so sequence numbers follow the byte stream by construction; None
+        #: until the connection's handshake gave it keys (handshake frames go untagged).
+        self.signer = signer
         self._queue: list[memoryview] = []
         self._queued = 0  # bytes ever queued
         self._sent = 0  # bytes of those written so far
@@ -218,9 +229,13 @@ class _Writer:
         """Nothing more will be sent: the writer task has ended."""
         return self._stopped
 
-    async def put(self, buffers: list[Buffer]) -> None:
+    async def put(self, buffers: list[Buffer], *, seal: bool = True) -> None:
+        """Send one frame (from :func:`kvfs.wire.encode_frame`) and its data buffers; ``seal=False`` only for the
+        one frame a peer reads untagged (an authentication refusal)."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
+        if seal and self.signer is not None:
+            buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
         if not self._queue:
             try:
@@ -289,6 +304,65 @@ async def _connect(address: str, timeout: float) -> trio.socket.SocketType:
     return sock
 
 
+async def _read_handshake(reader: FrameReader, expect: Method, request: bool, peer: str) -> Any:
+    """The next handshake frame, which must be ``expect``'s request (server side) or response (client side)."""
+    raw = bytes(await reader.read(wire.HEADER_SIZE))
+    header = wire.decode_header(raw, _HANDSHAKE_LIMITS)
+    body = await reader.read(header.body_len)
+    if header.type is FrameType.ERROR and not request:  # the server refuses us, or is going away
+        err = wire.decode_error(body)
+        if wire.Flags.AUTH_REFUSED in header.flags:
+            raise AuthError(f"{peer} refused us: {err.message}")
+        raise from_wire(err.errno, f"{peer}: {err.message}")
+    wanted = FrameType.REQUEST if request else FrameType.RESPONSE
+    if header.type is not wanted or header.method != expect.id:
+        raise AuthError(f"expected the authentication handshake's {expect.name} {wanted.name.lower()}, got a"
+                        f" {header.type.name.lower()} of method {header.method} (a kvfs before protocol"
+                        f" {wire.PROTOCOL_VERSION}, or not kvfs)")
+    if header.data_len or header.request_id or any(header.tag):
+        raise ProtocolError(f"{expect.name} with a data section, request id or tag (handshake frames have none)")
+    return wire.decode_body(expect.request if request else expect.response, body)
+
+
+async def authenticate_client(reader: FrameReader, send: SendFrame, address: str, token: bytes) -> Signer:
+    """The client's side of the :mod:`kvfs.auth` handshake on a fresh connection; returns its signer. Public for
+    tools and tests that speak frames by hand."""
+    nonce = auth.new_nonce()
+    await send(_handshake_frame(auth.AUTH_HELLO, FrameType.REQUEST, auth.Hello(nonce)))
+    server_nonce = (await _read_handshake(reader, auth.AUTH_HELLO, False, address)).nonce
+    session = auth.Session.derive(token, nonce, server_nonce)
+    await send(_handshake_frame(auth.AUTH_PROVE, FrameType.REQUEST, auth.Proof(session.client_proof)))
+    proof = await _read_handshake(reader, auth.AUTH_PROVE, False, address)
+    if not auth.proof_matches(session.server_proof, proof.mac):
+        raise AuthError(f"{address} does not hold the cluster token (its handshake proof does not match)")
+    return session.client_signer()
+
+
+async def authenticate_server(reader: FrameReader, send: SendFrame, peer: str, token: bytes) -> Signer:
+    """The server's side of the :mod:`kvfs.auth` handshake; raises AuthError for a peer without the token. It
+    answers the client's proof only once it checked it, so a peer without the token gets no proof to study."""
+    hello = await _read_handshake(reader, auth.AUTH_HELLO, True, peer)
+    nonce = auth.new_nonce()
+    await send(_handshake_frame(auth.AUTH_HELLO, FrameType.RESPONSE, auth.Hello(nonce)))
+    session = auth.Session.derive(token, hello.nonce, nonce)
+    proof = await _read_handshake(reader, auth.AUTH_PROVE, True, peer)
+    if not auth.proof_matches(session.client_proof, proof.mac):
+        raise AuthError("handshake proof does not match the cluster token")
+    await send(_handshake_frame(auth.AUTH_PROVE, FrameType.RESPONSE, auth.Proof(session.server_proof)))
+    return session.server_signer()
+
+
+def _handshake_frame(method: Method, kind: FrameType, body: msgspec.Struct) -> bytes:
+    return wire.encode_frame(kind, 0, method.id, wire.encode_body(body))
+
+
+async def send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    """Write all of ``data`` to a trio socket (its ``send`` may take only part)."""
+    view = memoryview(data)
+    while view:
+        view = view[await sock.send(view):]
+
+
 # --------------------------------------------------------------------------------------------- client
 
 
@@ -302,6 +376,13 @@ class _Pending:
     error: BaseException | None = None
     dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
     offered: int = 0  # RDMA: how many bytes of it were offered
+    reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
+    reply_offset: int = 0  # its arena offset
+
+
+#: Arena buffers of calls given up on connections that closed before their answers came: a server may write into
+#: them until it notices the close, so they are never reused (rare: a call given up, then its connection lost).
+_ABANDONED_REPLIES: list[Any] = []
 
 
 class _RdmaNotMoved(KvfsError):
@@ -311,13 +392,15 @@ class _RdmaNotMoved(KvfsError):
 class Connection:
     """A client's multiplexed connection to one server."""
 
-    def __init__(self, sock: trio.socket.SocketType, address: str, signer: Signer, limits: Limits, *,
-                 shared_memory: bool = False) -> None:
+    def __init__(self, sock: trio.socket.SocketType, reader: FrameReader, address: str, signer: Signer,
+                 limits: Limits, *, shared_memory: bool = False) -> None:
+        """``reader`` and ``signer``: what the handshake (:func:`authenticate_client`) left for this socket."""
         self.address = address
         self._sock = sock
+        self._reader = reader
         self._signer = signer
         self._limits = limits
-        self._writer = _Writer(sock)
+        self._writer = _Writer(sock, signer)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._closed: BaseException | None = None
@@ -326,6 +409,9 @@ class Connection:
         #: What the handshakes negotiated: how this connection's data sections travel besides TCP.
         self.links = ClientLinks(address, self.call, shared_memory=shared_memory)
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
+        #: arena buffers of calls given up before their answer, which the server may still write: out of the pool
+        #: until the late answer arrives
+        self._held_replies: dict[int, Any] = {}
 
     @property
     def transport(self) -> str:
@@ -372,6 +458,10 @@ class Connection:
     def _close_rdma(self) -> None:
         """Destroy the queue pair first: only then can no server operation touch the held slabs any more."""
         self.links.close()
+        # the server may still write an abandoned call's answer into these until it notices the close, which this
+        # side cannot see: they never go back to the pool
+        _ABANDONED_REPLIES.extend(self._held_replies.values())
+        self._held_replies.clear()
         held, self._held = self._held, {}
         for slabs in held.values():
             for slab in slabs:
@@ -404,18 +494,24 @@ class Connection:
         for pending in self._pending.values():
             pending.error = self._closed
             pending.done.set()
+            if pending.reply is not None:  # unanswered: the server may still write into it (see _close_rdma)
+                _ABANDONED_REPLIES.append(pending.reply)
         self._pending.clear()
 
     def close(self) -> None:
         self._fail_pending(ConnectionLost(f"connection to {self.address} closed by this side"))
 
     async def _read_loop(self) -> None:
-        reader = FrameReader(self._sock)
+        reader = self._reader
         while True:
             raw = bytes(await reader.read(wire.HEADER_SIZE))
             header = wire.decode_header(raw, self._limits)
             body = await reader.read(header.body_len)
-            wire.check_tag(self._signer, raw, header, body)
+            try:
+                wire.check_tag(self._signer, raw, header, body)
+            except AuthError as exc:
+                log.warning("closing connection to %s: %s", self.address, exc.message)
+                raise
             if wire.Flags.GOAWAY in header.flags:
                 self._going_away = True  # answers to what we sent still come; nothing new goes out here
                 continue
@@ -426,10 +522,13 @@ class Connection:
             if pending is None:  # the caller gave up (deadline); drop the late answer
                 if self._held:
                     self._release_held(header.request_id)
+                self._held_replies.pop(header.request_id, None)
                 await reader.discard(header.data_len)
                 continue
             try:
-                if wire.Flags.RDMA in header.flags:
+                if wire.Flags.SHM_REPLY in header.flags:
+                    self._shm_answer(header, body, pending)
+                elif wire.Flags.RDMA in header.flags:
                     self._rdma_answer(header, body, pending)
                 elif header.type is FrameType.ERROR:
                     err = wire.decode_error(body)
@@ -473,6 +572,20 @@ class Connection:
             target[:] = pending.dst.view[:written]  # the WRITE completed before the server sent this frame
             pending.data = target
 
+    def _shm_answer(self, header: wire.Header, body: memoryview | bytes, pending: _Pending) -> None:
+        """A response whose data section the server wrote into the arena buffer the call named: one copy from
+        there into the caller's buffer (the arena buffer cannot be the caller's own: a call given up may still be
+        written into, see kvfs/transport/README.md)."""
+        if header.type is not FrameType.RESPONSE or header.data_len:
+            raise ProtocolError("a shared-memory answer must be a RESPONSE without a TCP data section")
+        body, offset, length = shm.split_trailer(body, self._limits.max_data)
+        if pending.reply is None or pending.into is None or offset != pending.reply_offset or length > len(pending.into):
+            raise ProtocolError(f"shared-memory answer at [{offset}, +{length}) is not where the call asked")
+        pending.response = wire.decode_body(pending.method.response, body)
+        target = pending.into[:length]
+        target[:] = memoryview(pending.reply)[:length]
+        pending.data = target
+
     def _release_held(self, request_id: int) -> None:
         for slab in self._held.pop(request_id, ()):
             slab.release()
@@ -512,14 +625,19 @@ class Connection:
             if answer is not None:
                 return answer
             # no slab free, or the server could not move the data: this call goes over TCP
-        frame = wire.encode_frame(self._signer, FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         pending = _Pending(method, into)
+        if into is not None and not flags & wire.Flags.SHM and (reply := await self.links.reply_buffer(len(into))):
+            pending.reply, pending.reply_offset = reply
+            body += shm.encode_trailer(pending.reply_offset, len(into))
+            flags |= wire.Flags.SHM_REPLY
+        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         self._pending[request_id] = pending
         try:
             await self._writer.put([frame, *buffers])
             await pending.done.wait()
         finally:
-            self._pending.pop(request_id, None)
+            if self._pending.pop(request_id, None) is not None and pending.reply is not None:
+                self._held_replies[request_id] = pending.reply  # given up: the server may still write into it
         if pending.error is not None:
             raise pending.error
         return pending.response, pending.data
@@ -532,7 +650,7 @@ class Connection:
         buffers, data_len = self._outgoing(data)
         body, buffers, data_len, flags = await self.links.share_lent(
             lend, wire.encode_body(request), buffers, data_len, wire.Flags.ONEWAY)
-        frame = wire.encode_frame(self._signer, FrameType.REQUEST, next(self._ids), method.id, body, data_len, flags)
+        frame = wire.encode_frame(FrameType.REQUEST, next(self._ids), method.id, body, data_len, flags)
         await self._writer.put([frame, *buffers])
 
     async def _call_rdma(
@@ -567,9 +685,7 @@ class Connection:
         tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
         request_id = next(self._ids)
         body += rdma.encode_request_trailer(src, dst)
-        frame = wire.encode_frame(
-            self._signer, FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA
-        )
+        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA)
         pending = _Pending(method, into, dst=dst_slab, offered=0 if dst is None else dst.length)
         self._pending[request_id] = pending
         self._held[request_id] = held
@@ -629,7 +745,7 @@ class RpcClient(TransportChoice):
     ) -> None:
         super().__init__(transport, rdma_factory)
         self.shared_memory = shm.resolve_enabled(shared_memory)
-        self._signer = Signer(token)
+        self._token = auth.token_key(token)
         self._limits = limits
         self._connect_timeout = connect_timeout
         self.call_timeout = call_timeout
@@ -674,11 +790,8 @@ class RpcClient(TransportChoice):
         async with lock:
             conn = self._connections.get(address)
             if conn is None or conn.closed:
-                try:
-                    sock = await _connect(address, self._connect_timeout)
-                except OSError as exc:
-                    raise ServiceUnavailable(f"cannot connect to {address}: {exc.strerror or exc}") from None
-                conn = Connection(sock, address, self._signer, self._limits, shared_memory=self.shared_memory)
+                sock, reader, signer = await self._open(address)
+                conn = Connection(sock, reader, address, signer, self._limits, shared_memory=self.shared_memory)
                 await self._nursery.start(conn.run)
                 if self.transport is not TransportMode.TCP:
                     try:
@@ -688,6 +801,33 @@ class RpcClient(TransportChoice):
                         raise
                 self._connections[address] = conn
         return conn
+
+    async def _open(self, address: str) -> tuple[trio.socket.SocketType, FrameReader, Signer]:
+        """Connect and authenticate, both within the connect timeout."""
+        try:
+            sock = await _connect(address, self._connect_timeout)
+        except OSError as exc:
+            raise ServiceUnavailable(f"cannot connect to {address}: {exc.strerror or exc}") from None
+        reader = FrameReader(sock)
+        try:
+            with trio.fail_after(self._connect_timeout):
+                signer = await authenticate_client(reader, functools.partial(send_all, sock), address, self._token)
+        except trio.TooSlowError:
+            sock.close()
+            raise ServiceUnavailable(f"{address} did not finish the authentication handshake within"
+                                     f" {self._connect_timeout:g}s") from None
+        except KvfsError:  # refused, or not a kvfs server (KvfsError is an OSError: first)
+            sock.close()
+            raise
+        except (_EndOfStream, OSError) as exc:
+            sock.close()
+            raise ConnectionLost(f"{address} closed the connection during the authentication handshake"
+                                 + (f": {exc}" if isinstance(exc, OSError) else " (a kvfs before protocol"
+                                    f" {wire.PROTOCOL_VERSION} closes so)")) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock, reader, signer
 
     async def call(
         self,
@@ -774,6 +914,8 @@ class RpcServer(TransportChoice):
 
     #: After GOAWAY, how long connections keep answering calls that were already on their way.
     GOAWAY_LINGER = 0.5
+    #: How long a new connection may take to authenticate before it is closed (a silent peer holds nothing).
+    HANDSHAKE_TIMEOUT = 10.0
 
     def __init__(
         self,
@@ -788,7 +930,7 @@ class RpcServer(TransportChoice):
     ) -> None:
         super().__init__(transport, rdma_factory)
         self.shared_memory = shm.resolve_enabled(shared_memory)
-        self._signer = Signer(token)
+        self._token = auth.token_key(token)
         self._limits = limits
         self._max_in_flight = max_in_flight
         self._handlers: dict[int, tuple[Method, Handler]] = {}
@@ -856,9 +998,9 @@ class RpcServer(TransportChoice):
         # Tell every client to stop sending here, then keep answering (ESHUTDOWN) what was already on its way, so
         # closing never resets a connection with an unread call in it (the client could not know it never ran).
         body = wire.encode_body(wire.ErrorBody(errno.ESHUTDOWN, f"{self.log.name} is shutting down"))
-        goaway = wire.encode_frame(self._signer, FrameType.ERROR, 0, 0, body, flags=wire.Flags.GOAWAY)
+        goaway = wire.encode_frame(FrameType.ERROR, 0, 0, body, flags=wire.Flags.GOAWAY)
         for writer in list(self._writers):
-            with contextlib.suppress(ConnectionLost):
+            with contextlib.suppress(ConnectionLost):  # sealed per connection; untagged mid-handshake
                 await writer.put([goaway])
         await trio.sleep(self.GOAWAY_LINGER)
 
@@ -890,9 +1032,16 @@ class RpcServer(TransportChoice):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._run_writer, writer, peer, nursery.cancel_scope)
                 try:
-                    await self._read_requests(sock, peer, writer, limiter, nursery, conn)
+                    reader = FrameReader(sock)
+                    with trio.fail_after(self.HANDSHAKE_TIMEOUT):
+                        signer = await authenticate_server(reader, lambda f: writer.put([f]), peer, self._token)
+                    writer.signer = signer  # every frame from here on is tagged
+                    await self._read_requests(reader, signer, peer, writer, limiter, nursery, conn)
                 except _EndOfStream:
                     pass
+                except trio.TooSlowError:
+                    self.log.warning("closing connection from %s: no authentication handshake within %gs", peer,
+                                     self.HANDSHAKE_TIMEOUT)
                 except AuthError as exc:
                     self.connections_refused += 1
                     self.log.warning("refusing %s: %s", peer, exc)
@@ -921,27 +1070,27 @@ class RpcServer(TransportChoice):
     async def _refuse(self, writer: _Writer, exc: AuthError) -> None:
         """Tell an unauthenticated peer why it is refused, in the one frame it can read without the token."""
         body = wire.encode_body(wire.ErrorBody(exc.errno, exc.message))
-        frame = wire.encode_frame(None, FrameType.ERROR, 0, 0, body, flags=wire.Flags.AUTH_REFUSED)
+        frame = wire.encode_frame(FrameType.ERROR, 0, 0, body, flags=wire.Flags.AUTH_REFUSED)
         with trio.move_on_after(1), contextlib.suppress(ConnectionLost):
-            await writer.put([frame])
+            await writer.put([frame], seal=False)
             writer.close()
             await trio.sleep(0.05)  # let the writer flush before the socket closes
 
     async def _read_requests(
         self,
-        sock: trio.socket.SocketType,
+        reader: FrameReader,
+        signer: Signer,
         peer: str,
         writer: _Writer,
         limiter: trio.CapacityLimiter,
         nursery: trio.Nursery,
         conn: PeerConnection,
     ) -> None:
-        reader = FrameReader(sock)
         while True:
             raw = bytes(await reader.read(wire.HEADER_SIZE))
             header = wire.decode_header(raw, self._limits)
             body = await reader.read(header.body_len)
-            wire.check_tag(self._signer, raw, header, body)
+            wire.check_tag(signer, raw, header, body)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
             oneway = wire.Flags.ONEWAY in header.flags
@@ -949,6 +1098,11 @@ class RpcServer(TransportChoice):
                 raise ProtocolError("a one-way request cannot move its data by RDMA")
             buffers = None
             shared = 0  # length of a data section in the client's arena
+            reply_to = None  # (offset, capacity) of the client's arena buffer for the answer's data section
+            if wire.Flags.SHM_REPLY in header.flags:
+                if conn.shm is None or oneway or header.flags & (wire.Flags.SHM | wire.Flags.RDMA):
+                    raise ProtocolError("a shared-memory answer asked without a mapped arena, or with another trailer")
+                body, *reply_to = shm.split_trailer(body, self._limits.max_data)
             if wire.Flags.SHM in header.flags:
                 if header.data_len or wire.Flags.RDMA in header.flags:
                     raise ProtocolError("a shared-memory request also carries a TCP or RDMA data section")
@@ -983,7 +1137,8 @@ class RpcServer(TransportChoice):
                 limiter.acquire_on_behalf_of_nowait(header.request_id)
             except trio.WouldBlock:
                 await limiter.acquire_on_behalf_of(header.request_id)
-            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway)
+            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway,
+                    reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):
                 await self._dispatch(*args)
             else:
@@ -1002,6 +1157,7 @@ class RpcServer(TransportChoice):
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
+        reply_to: list[int] | None = None,
     ) -> None:
         ctx: CallContext | None = None
         delivered = False  # the reply is in the kernel, or there is none to send
@@ -1014,7 +1170,7 @@ class RpcServer(TransportChoice):
                 except KvfsError as exc:  # the handler does not run; the client resends over TCP
                     self.log.info("RDMA-READ from %s failed: %s", peer, exc.message)
                     body = wire.encode_body(wire.ErrorBody(exc.errno or errno.EIO, exc.message))
-                    frame = wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body, 0, wire.Flags.RDMA)
+                    frame = wire.encode_frame(FrameType.ERROR, request_id, 0, body, 0, wire.Flags.RDMA)
                     with contextlib.suppress(ConnectionLost):
                         await writer.put([frame])
                     return
@@ -1031,6 +1187,9 @@ class RpcServer(TransportChoice):
                     elif buffers is not None and buffers[1] is not None:
                         assert conn is not None
                         frames = await self._rdma_response(conn, request_id, method, result, buffers[1])
+                    elif reply_to is not None:
+                        assert conn is not None and conn.shm is not None
+                        frames = self._shm_response(conn.shm, request_id, method, result, *reply_to)
                     else:
                         frames = self._response(request_id, method, result)
                 except KvfsError as exc:
@@ -1053,7 +1212,7 @@ class RpcServer(TransportChoice):
                 return
             if failure is not None:
                 body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
-                frames = [wire.encode_frame(self._signer, FrameType.ERROR, request_id, 0, body)]
+                frames = [wire.encode_frame(FrameType.ERROR, request_id, 0, body)]
             try:
                 await writer.put(frames)
             except ConnectionLost:
@@ -1085,7 +1244,21 @@ class RpcServer(TransportChoice):
             message, data = result, None
         buffers, data_len = _data_buffers(data)
         body = wire.encode_body(message)
-        return [wire.encode_frame(self._signer, FrameType.RESPONSE, request_id, method.id, body, data_len), *buffers]
+        return [wire.encode_frame(FrameType.RESPONSE, request_id, method.id, body, data_len), *buffers]
+
+    def _shm_response(self, arena: shm.PeerArena, request_id: int, method: Method, result: HandlerResult,
+                      offset: int, capacity: int) -> list[Buffer]:
+        """Write the data section into the client's arena buffer it named (then answer with where), or fall back to
+        the TCP response where there is none or it does not fit."""
+        if not isinstance(result, tuple):
+            return self._response(request_id, method, result)
+        message, data = result
+        buffers, data_len = _data_buffers(data)
+        if not 0 < data_len <= capacity:
+            return self._response(request_id, method, result)
+        arena.copy_in(offset, capacity, buffers)
+        body = wire.encode_body(message) + shm.encode_trailer(offset, data_len)
+        return [wire.encode_frame(FrameType.RESPONSE, request_id, method.id, body, 0, wire.Flags.SHM_REPLY)]
 
     async def _rdma_response(
         self, conn: PeerConnection, request_id: int, method: Method, result: HandlerResult, dst: Any
@@ -1098,7 +1271,7 @@ class RpcServer(TransportChoice):
         if not await conn.rdma.push(buffers, data_len, dst):
             return self._response(request_id, method, result)
         body = wire.encode_body(message) + rdma.encode_response_trailer(data_len)
-        return [wire.encode_frame(self._signer, FrameType.RESPONSE, request_id, method.id, body, 0, wire.Flags.RDMA)]
+        return [wire.encode_frame(FrameType.RESPONSE, request_id, method.id, body, 0, wire.Flags.RDMA)]
 
 
 __all__ = [
@@ -1109,5 +1282,9 @@ __all__ = [
     "Handler",
     "RpcClient",
     "RpcServer",
+    "SendFrame",
+    "authenticate_client",
+    "authenticate_server",
     "parse_address",
+    "send_all",
 ]

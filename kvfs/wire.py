@@ -9,9 +9,12 @@ A frame is ``header | body | data``:
   data never passes through the message decoder. Bulk data is protected by the CRC32C that travels in the
   body, not by the tag.
 
-The tag is an HMAC-SHA256 (truncated to 16 bytes) over the header's first 32 bytes and the body, keyed by
-the cluster token, so a peer without the token is refused before any handler runs. Lengths are checked
-against configured limits as soon as a header arrives, before anything is allocated for the frame.
+The tag is an HMAC-SHA256 (truncated to 16 bytes) over a sequence number and the frame (header with its tag
+field zeroed, and body), keyed by one direction's key of the connection (:class:`Signer`). The keys come from the
+handshake that opens every connection (:mod:`kvfs.auth`), so a peer without the cluster token is refused before
+any handler runs, and a frame recorded on one connection is refused when replayed on it or on any other. The
+sequence number is not sent: each side counts the frames it sends and receives. Lengths are checked against
+configured limits as soon as a header arrives, before anything is allocated for the frame.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import msgspec
 from kvfs.errors import AuthError, ProtocolError
 
 MAGIC = b"KVFS"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: per-connection keys and sequence numbers (kvfs.auth)
 TAG_SIZE = 16
 HEADER = struct.Struct("<4sBBHQIIQ16s")
 HEADER_SIZE = HEADER.size
 _SIGNED = HEADER_SIZE - TAG_SIZE
 _NO_TAG = bytes(TAG_SIZE)
+_UNTAGGED_HEADER = struct.Struct("<4sBBHQIIQ16x")
+_SEQUENCE = struct.Struct("<Q")
 
 
 class FrameType(enum.IntEnum):
@@ -58,11 +63,15 @@ class Flags(enum.IntFlag):
     #: The body ends with a shared-memory trailer naming where in the sender's arena the data section lies
     #: (``data_len`` is 0); the receiver copies it from there. See :mod:`kvfs.transport.shm`.
     SHM = 16
+    #: On a REQUEST: the body ends with a shared-memory trailer naming a buffer in the sender's arena (offset,
+    #: capacity) the answer's data section may be written into. On a RESPONSE: the body ends with a trailer
+    #: (offset, length) saying the data section was written there (``data_len`` is 0). See :mod:`kvfs.transport.shm`.
+    SHM_REPLY = 32
 
 
 # Enum construction and Flag arithmetic cost microseconds each: a header is decoded with table lookups instead.
 _FRAME_TYPES = {t.value: t for t in FrameType}
-_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY | Flags.SHM)
+_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY | Flags.SHM | Flags.SHM_REPLY)
 _FLAG_SETS = tuple(Flags(bits) for bits in range(_KNOWN_FLAGS + 1))
 
 
@@ -97,27 +106,40 @@ class Empty(msgspec.Struct, array_like=True):
 
 
 class Signer:
-    """Computes and checks frame tags with the cluster token."""
+    """Tags one connection's outgoing frames and checks its incoming ones.
 
-    __slots__ = ("_key",)
+    One key per direction (from the connection's handshake) and a count of the frames sent and received so far,
+    which is the sequence number each tag covers. A frame must therefore be tagged in the order it goes on the
+    wire (the RPC writer seals frames as it queues them), and a receiver that refuses one frame must close the
+    connection: its count no longer matches the sender's.
+    """
 
-    def __init__(self, token: bytes | str) -> None:
-        key = token.encode() if isinstance(token, str) else bytes(token)
-        if not key:
-            raise ValueError("the cluster token must not be empty")
-        self._key = key
+    __slots__ = ("_send_key", "_receive_key", "_sent", "_received")
 
-    def tag(self, signed_header: bytes, body: bytes | memoryview) -> bytes:
-        return hmac.digest(self._key, signed_header + body, "sha256")[:TAG_SIZE]
+    def __init__(self, *, send_key: bytes, receive_key: bytes) -> None:
+        self._send_key = send_key
+        self._receive_key = receive_key
+        self._sent = 0
+        self._received = 0
+
+    def seal(self, frame: bytes) -> bytes:
+        """``frame`` (from :func:`encode_frame`, tag field zero) with its tag, as the next frame this side sends."""
+        tag = hmac.digest(self._send_key, _SEQUENCE.pack(self._sent) + frame, "sha256")[:TAG_SIZE]
+        self._sent += 1
+        return frame[:_SIGNED] + tag + frame[HEADER_SIZE:]
 
     def verify(self, header_bytes: bytes | memoryview, body: bytes | memoryview) -> bool:
+        """Whether this is the next frame the peer sent; counts it if so."""
         header_bytes = bytes(header_bytes)
-        expected = self.tag(header_bytes[:_SIGNED], body)
-        return hmac.compare_digest(expected, header_bytes[_SIGNED:])
+        signed = _SEQUENCE.pack(self._received) + header_bytes[:_SIGNED] + _NO_TAG + body
+        if not hmac.compare_digest(hmac.digest(self._receive_key, signed, "sha256")[:TAG_SIZE],
+                                   header_bytes[_SIGNED:]):
+            return False
+        self._received += 1
+        return True
 
 
 def encode_frame(
-    signer: Signer | None,
     type: FrameType,
     request_id: int,
     method: int,
@@ -125,12 +147,9 @@ def encode_frame(
     data_len: int = 0,
     flags: Flags = Flags.NONE,
 ) -> bytes:
-    """Return header + body; the caller sends the ``data_len`` data bytes after it."""
-    signed = HEADER.pack(MAGIC, PROTOCOL_VERSION, type, flags, request_id, method, len(body), data_len, _NO_TAG)[
-        :_SIGNED
-    ]
-    tag = _NO_TAG if signer is None else signer.tag(signed, body)
-    return signed + tag + body
+    """Return header + body with the tag field zero (:meth:`Signer.seal` fills it in); the caller sends the
+    ``data_len`` data bytes after it."""
+    return _UNTAGGED_HEADER.pack(MAGIC, PROTOCOL_VERSION, type, flags, request_id, method, len(body), data_len) + body
 
 
 def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
@@ -153,13 +172,15 @@ def decode_header(raw: bytes | memoryview, limits: Limits) -> Header:
 
 
 def check_tag(signer: Signer, raw_header: bytes | memoryview, header: Header, body: bytes | memoryview) -> None:
-    """Raise AuthError unless the frame is signed with our token (or is a peer's auth refusal)."""
+    """Raise AuthError unless the frame is the next one the peer tagged with this connection's key (or is a
+    peer's auth refusal)."""
     if header.type is FrameType.ERROR and Flags.AUTH_REFUSED in header.flags:
         return
     if header.tag == _NO_TAG:
         raise AuthError("frame carries no authentication tag")
     if not signer.verify(raw_header, body):
-        raise AuthError("frame authentication tag does not match the cluster token")
+        raise AuthError("frame authentication tag does not match this connection's key and sequence"
+                        " (a replayed, reordered, altered or forged frame)")
 
 
 @dataclass(frozen=True, slots=True)

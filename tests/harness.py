@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import random
 import signal
@@ -12,6 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import trio
+
+from kvfs import wire
+from kvfs.rpc import FrameReader, authenticate_client, send_all
+
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "kvfs-test-token"
 
@@ -20,6 +27,78 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def authenticated(address: str, token: str = TOKEN, sock: trio.socket.SocketType | None = None
+                        ) -> tuple[trio.socket.SocketType, wire.Signer]:
+    """A raw trio socket to ``address`` that went through the handshake, and its signer, for frames sent by
+    hand (``sock``: one already made, e.g. with a small receive buffer)."""
+    host, port = address.rsplit(":", 1)
+    sock = sock or trio.socket.socket()
+    await sock.connect((host, int(port)))
+    signer = await authenticate_client(FrameReader(sock), functools.partial(send_all, sock), address, token.encode())
+    return sock, signer
+
+
+class RecordingProxy:
+    """Forwards TCP connections to ``upstream`` both ways and records, per connection, what the client sent."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.recorded: list[bytearray] = []
+        self.upstream_sockets: list[trio.socket.SocketType] = []
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        task_status.started("127.0.0.1:%d" % listener.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            while True:
+                down, _ = await listener.accept()
+                nursery.start_soon(self._relay, down)
+
+    async def _relay(self, down: trio.socket.SocketType) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        up = trio.socket.socket()
+        await up.connect((host, int(port)))
+        record = bytearray()
+        self.recorded.append(record)
+        self.upstream_sockets.append(up)
+        with down, up:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, down, up, record, nursery.cancel_scope)
+                nursery.start_soon(self._pump, up, down, None, nursery.cancel_scope)
+
+    @staticmethod
+    async def _pump(src, dst, record: bytearray | None, scope: trio.CancelScope) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := await src.recv(1 << 16):
+                if record is not None:
+                    record.extend(chunk)
+                await send_all(dst, chunk)
+        scope.cancel()  # either side hung up: so does the proxy
+
+
+async def send_until_closed(sock: trio.socket.SocketType, data: bytes) -> bytes:
+    """Send ``data`` and read until the server closes (or resets) the connection; what came back. Closes ``sock``."""
+    await send_all(sock, data)
+    got = b""
+    with sock, trio.fail_after(5), contextlib.suppress(ConnectionResetError):  # reset: closed with bytes unread
+        while chunk := await sock.recv(1 << 16):
+            got += chunk
+    return got
+
+
+def frames(stream: bytes) -> list[tuple[wire.Header, bytes]]:
+    """Split a recorded client stream into its frames (header, and the frame's bytes as sent)."""
+    out, pos = [], 0
+    while pos < len(stream):
+        header = wire.decode_header(stream[pos : pos + wire.HEADER_SIZE], wire.Limits())
+        end = pos + wire.HEADER_SIZE + header.body_len + header.data_len
+        out.append((header, bytes(stream[pos:end])))
+        pos = end
+    return out
 
 
 def wait_for_port(address: str, proc: subprocess.Popen | None = None, timeout: float = 20.0) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import stat
 
 import pytest
 
 from kvfs.errors import KvfsError
+from kvfs.meta.api import MetaApi
 from kvfs.meta.ops import entries as entry_ops
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
@@ -660,3 +662,13 @@ def test_only_files_that_were_ever_opened_for_writing_wait_for_the_collector(ms,
     assert ms.gc_once() == 2
     assert sorted(remover.removed) == sorted([later.ino, written.attr.ino])
     assert ms.gc_once() == 0
+
+
+def test_the_store_implements_every_operation_of_the_api_with_its_signature() -> None:
+    """meta.rpc derives the wire surface from MetaApi, the store serves it: a parameter added to one and not
+    the other would be dropped on the wire or refused by the store."""
+    names = [n for n, v in vars(MetaApi).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert len(names) > 20
+    for name in names:
+        api, store = inspect.signature(getattr(MetaApi, name)), inspect.signature(getattr(MetaStore, name))
+        assert api == store, f"{name}: MetaApi{api} but MetaStore{store}"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from harness import TOKEN, Cluster, tear_unsynced, write_config
+from harness import TOKEN, Cluster, authenticated, tear_unsynced, write_config
 
 from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.client import StorageClient
@@ -99,10 +99,10 @@ async def test_a_slow_reader_gets_the_version_it_asked_for_while_overwrites_go_o
         host, port = routing.addresses[chain.targets[0].node_id].rsplit(":", 1)
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)  # takes the reply a little at a time
-        await sock.connect((host, int(port)))
+        sock, signer = await authenticated(f"{host}:{port}", TOKEN, sock)
         request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(9, 0), 0, size)])
-        await sock.send(wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, p.READ.id,
-                                          wire.encode_body(request)))
+        await sock.send(signer.seal(wire.encode_frame(wire.FrameType.REQUEST, 1, p.READ.id,
+                                                      wire.encode_body(request))))
         await trio.sleep(0.3)  # the server is sending, blocked on the full socket
         for version in range(2, 12):  # each commit frees the slot of the version before
             await storage.write(9, layout, 0, bytes([version]) * size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from kvfs import wire
 from kvfs.config import ClusterConfig, load_config
 from kvfs.errors import ConnectionLost, KvfsError, ProtocolError
-from kvfs.rpc import RpcClient, RpcServer
+from kvfs.rpc import FrameReader, RpcClient, RpcServer, authenticate_server, send_all
 from kvfs.transport import link
 from kvfs.transport.buffers import BufferPool, RemoteBuffer, buffer_address
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
@@ -35,6 +36,8 @@ from kvfs.transport.link import CallPlan, plan_call, resolve_mode
 from kvfs.transport.select import ActivePort, RdmaAvailability, TransportMode
 from kvfs.transport.verbs import detect_rdma
 from kvfs.wire import Limits, Method
+
+from harness import RecordingProxy, authenticated, frames, send_until_closed
 
 TOKEN = "tok"
 NO_DEVICE = RdmaAvailability(False, "no RDMA devices found")
@@ -312,10 +315,10 @@ def test_response_trailer():
 
 
 def test_wire_accepts_the_rdma_flag_and_no_unknown_one():
-    frame = wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, 1, b"x", 0, wire.Flags.RDMA)
+    frame = wire.encode_frame(wire.FrameType.REQUEST, 1, 1, b"x", 0, wire.Flags.RDMA)
     assert wire.decode_header(frame[: wire.HEADER_SIZE], Limits()).flags == wire.Flags.RDMA
     bad = bytearray(frame)
-    bad[6] = 32  # the first bit no flag uses
+    bad[6] = 64  # the first bit no flag uses
     with pytest.raises(ProtocolError, match="unknown flags"):
         wire.decode_header(bytes(bad[: wire.HEADER_SIZE]), Limits())
 
@@ -348,6 +351,7 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
     """Without RDMA here, the client never offers and its frames are exactly the TCP frames of before."""
     monkeypatch.delenv("KVFS_TRANSPORT", raising=False)
     got = bytearray()
+    keys = []
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -356,6 +360,9 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
 
     async def serve_raw():
         sock, _ = await listener.accept()
+        reader = FrameReader(sock)
+        keys.append(await authenticate_server(reader, functools.partial(send_all, sock), "client", TOKEN.encode()))
+        # the client sends its call only after the server's proof, so the reader holds nothing beyond it
         while len(got) < wire.HEADER_SIZE + 64 + len(payload):
             chunk = await sock.recv(1 << 16)
             if not chunk:
@@ -369,8 +376,11 @@ async def test_no_local_device_means_no_handshake_and_plain_tcp_bytes(monkeypatc
             with pytest.raises(KvfsError):
                 await client.call(address, ONCE, Req("x"), data=payload, timeout=1)
     body = wire.encode_body(Req("x"))
-    assert bytes(got) == wire.encode_frame(wire.Signer(TOKEN), wire.FrameType.REQUEST, 1, ONCE.id, body,
-                                           len(payload)) + payload
+    frame = wire.encode_frame(wire.FrameType.REQUEST, 1, ONCE.id, body, len(payload))
+    end = len(frame)
+    assert got[:wire.HEADER_SIZE - wire.TAG_SIZE] == frame[:wire.HEADER_SIZE - wire.TAG_SIZE]
+    assert got[wire.HEADER_SIZE:end] == body and got[end:] == payload
+    assert keys[0].verify(got[:wire.HEADER_SIZE], got[wire.HEADER_SIZE:end])  # the first frame of the connection
     listener.close()
 
 
@@ -440,6 +450,25 @@ async def rdma_pair(nursery, fabric):
     server, address, calls = await start_server(nursery, server_factory)
     client_factory = FakeFactory(fabric)
     return server, address, calls, server_factory, client_factory
+
+
+async def test_a_recorded_rdma_setup_replayed_on_another_connection_is_refused(nursery, fabric, caplog):
+    """RDMA_CONNECT and the descriptors of RDMA calls travel as tagged frames of their connection: recorded and
+    replayed on another connection (by a token holder, after a handshake of its own), the offer is refused before
+    any queue pair is made for it, and the call does not run."""
+    server, address, calls, sf, cf = await rdma_pair(nursery, fabric)
+    proxy = RecordingProxy(address)
+    via_proxy = await nursery.start(proxy.serve)
+    async with RpcClient(TOKEN, rdma_factory=cf) as client:
+        assert (await client.connection(via_proxy)).transport == "rdma"
+        await client.call(via_proxy, ONCE, Req("once"), data=pattern(50_000))
+    recorded = [raw for header, raw in frames(proxy.recorded[0]) if header.method in (RDMA_CONNECT.id, ONCE.id)]
+    assert len(recorded) == 2 and calls.count == 1
+    endpoints = len(fabric.endpoints)
+    sock, _ = await authenticated(address, TOKEN)
+    await send_until_closed(sock, b"".join(recorded))
+    assert "does not match this connection's key and sequence" in caplog.text
+    assert calls.count == 1 and len(fabric.endpoints) == endpoints
 
 
 async def test_bulk_data_moves_by_rdma_both_ways(nursery, fabric):

@@ -396,6 +396,41 @@ def test_a_mount_with_a_wrong_token_is_refused_with_one_clear_line(cluster, tmp_
     assert not is_mounted(target)
 
 
+def test_a_mount_whose_token_stops_working_says_so_once_and_answers_eacces():
+    """The cluster is restarted with a new token under a running mount (a token rotation that forgot this client):
+    every call that needs the cluster fails at once with EACCES instead of hanging, and over several seconds of
+    such calls the mount's log says what is wrong a bounded number of times, not once per retry."""
+    with started("kvfs-token-") as c:
+        (c.mount / "before").write_bytes(b"x")
+        log = c.data / "logs" / "mount.log"
+        seen = log.stat().st_size
+        for name in SERVICES:
+            c.kill(name)
+        config = tomllib.loads(c.config.read_text())
+        config["token"] = "1" * 64
+        c.config.write_text(tomli_w.dumps(config))
+        c.up()  # restarts what is dead with the new token; the mount keeps running with the old one
+        started_at = time.monotonic()
+        failures = 0
+        while time.monotonic() - started_at < 8:
+            for argv in (["stat", str(c.mount / f"new-{failures}")], ["touch", str(c.mount / f"new-{failures}")],
+                         ["ls", str(c.mount)]):
+                t0 = time.monotonic()
+                result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+                assert time.monotonic() - t0 < 10, f"{argv} took {time.monotonic() - t0:.1f}s"
+                assert result.returncode != 0 and "Permission denied" in result.stderr, (argv, result)
+                failures += 1
+            time.sleep(0.2)
+        assert c.pid("mount") is not None and is_mounted(c.mount)
+        with open(log, errors="replace") as f:
+            f.seek(seen)
+            lines = [line for line in f.read().splitlines() if " WARNING " in line or " ERROR " in line]
+        assert failures >= 30
+        refused = [line for line in lines if "refused us: handshake proof does not match the cluster token" in line]
+        assert 1 <= len(refused) <= 2, "\n".join(lines)  # once per loop that meets it: change feed, lease
+        assert len(lines) <= 8, "\n".join(lines)  # with what the restart itself cost (connections lost)
+
+
 def test_absent_names_are_kept_for_long_and_another_clients_new_names_still_show_at_once(cluster, tmp_path):
     """While the feed is followed, the kernel keeps negative entries for the long timeout (a probe for a missing
     file costs no round trip); a name another client then creates, makes by rename or links shows within half
