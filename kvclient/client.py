@@ -133,17 +133,6 @@ class _Core:
                             raise
         return self._dir
 
-    async def _lookup(self, key: bytes) -> Any:
-        d = await self.ns_dir(create=False)
-        if d is None:
-            return None
-        try:
-            return await self.meta.lookup(self.caller, d, key)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None
-            raise
-
     async def put_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[int]:
         """Write-once puts in two metadata round trips per batch (``begin_puts``, ``commit_puts``), the chunk
         writes in between in parallel: 0 or -errno per item. A key that exists, or that another put commits
@@ -164,7 +153,8 @@ class _Core:
 
         try:
             nonempty = [i for i in begun if begun[i].length]
-            for i, r in zip(nonempty, await self.batch(write, [(i, opened[i].layout) for i in nonempty])):  # type: ignore[union-attr]
+            layouts = [(i, opened[i].layout) for i in nonempty]  # type: ignore[union-attr]
+            for i, r in zip(nonempty, await self.batch(write, layouts)):
                 results[i] = r
             ready = [i for i in begun if results[i] == 0]
             for i, r in zip(ready, await per_batch(self.meta.commit_puts, self.caller, d, [begun[i] for i in ready])):
@@ -214,11 +204,8 @@ class _Core:
         return await per_batch(self.meta.batch_unlink, self.caller, d, keys)
 
     async def get_into(self, key: bytes, out: memoryview | DeviceSpan) -> int:
-        attr = await self._lookup(key)
-        if attr is None:
-            MISSES.inc()
-            return -errno.ENOENT
-        return await self._read(key, attr, out)
+        (found,) = await self.lookup_many([key])
+        return await self._read_found(key, found, out)
 
     async def _read(self, key: bytes, attr: Any, out: memoryview | DeviceSpan,
                     layout: Layout | None = None) -> int:
@@ -235,12 +222,12 @@ class _Core:
         return size
 
     async def get(self, key: bytes) -> bytes | None:
-        attr = await self._lookup(key)
-        if attr is None:
+        (found,) = await self.lookup_many([key])
+        if found is None:
             MISSES.inc()
             return None
-        buf = bytearray(attr.size)
-        await self._read(key, attr, memoryview(buf))
+        buf = bytearray(found.attr.size)
+        await self._read(key, found.attr, memoryview(buf), found.layout)
         return bytes(buf)
 
     async def remove(self, key: bytes) -> int:

@@ -161,7 +161,8 @@ class MetaApi(Protocol):
         """:meth:`lookup` of many names in ``parent`` in one transaction: each one's attributes and, for a
         file, its layout (what a reader needs before its chunk I/O), or None where there is no such name."""
 
-    def begin_puts(self, caller: Caller, parent: int, puts: list[tuple[bytes, bytes]], mode: int) -> list[Opened | None]:
+    def begin_puts(self, caller: Caller, parent: int, puts: list[tuple[bytes, bytes]],
+                   mode: int) -> list[Opened | None]:
         """The first half of write-once puts into ``parent``, in one transaction: for each ``(name, temp)``,
         None when ``name`` exists (a value written once needs no rewrite), else the temporary file ``temp``
         created as ``create(O_EXCL)`` would, with a write session."""

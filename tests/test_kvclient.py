@@ -276,6 +276,8 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     outs = [bytearray(2000) for _ in keys]
     assert count(kv.batch_get_into, keys, outs) == ([1000 + i for i in range(40)], ["meta.batch_lookup"])
     assert all(bytes(o[:1000 + i]) == values[i] for i, o in enumerate(outs))
+    assert count(kv.get, "k3") == (values[3], ["meta.batch_lookup"])  # a single get: one as well
+    assert count(kv.get_into, "k4", outs[0]) == (1004, ["meta.batch_lookup"])
     assert count(kv.batch_put, keys, values) == ([0] * 40, ["meta.begin_puts"])  # all exist: nothing to commit
     many = [f"m{i}" for i in range(MAX_BATCH + 1)]
     assert count(kv.batch_put, many, [b"v"] * len(many))[1] == ["meta.begin_puts"] * 2 + ["meta.commit_puts"] * 2

@@ -63,8 +63,8 @@ def _located(kv: KVClient, key: str):
     core = kv._core
 
     async def locate():
-        attr = await core._lookup(key.encode())
-        layout = await core.meta.get_layout(core.caller, attr.ino)
+        (found,) = await core.lookup_many([key.encode()])
+        attr, layout = found.attr, found.layout
         return await core.storage.locate(attr.ino, layout, 0, 0, attr.size, core.reader.boot_id)
 
     return kv._call(locate)

@@ -4,7 +4,6 @@ halves, removals and access-time records, each batch one transaction that leaves
 from __future__ import annotations
 
 import errno
-import os
 import stat
 
 import pytest

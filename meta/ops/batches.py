@@ -47,7 +47,8 @@ class BatchOps(FileOps):
             found.append(Found(inode.attr, inode.layout if stat.S_ISREG(inode.attr.mode) else None))
         return found
 
-    def begin_puts(self, caller: Caller, parent: int, puts: list[tuple[bytes, bytes]], mode: int) -> list[Opened | None]:
+    def begin_puts(self, caller: Caller, parent: int, puts: list[tuple[bytes, bytes]],
+                   mode: int) -> list[Opened | None]:
         """The first half of write-once puts into ``parent``, in one transaction: for each ``(name, temp)``,
         None when ``name`` exists (a written-once value needs no rewrite), else temporary file ``temp`` created
         as ``create(O_EXCL)`` would, with a write session."""
