@@ -1,4 +1,4 @@
-"""KV-cache replay: the Mooncake trace against kvclient, Redis and a loopback socket pump, in one run.
+"""KV-cache replay: the Mooncake trace against kvclient, Redis, Mooncake Store and a loopback socket pump, in one run.
 
     .venv/bin/python benchmarks/kv_replay.py [--requests 600] [--block-kib 128]
     .venv/bin/python benchmarks/kv_replay.py --block-mib 1 [--blocks 256] [--batch 16]
@@ -12,8 +12,11 @@ the same way. Each system starts empty and sees the same operations:
 
 * kvclient on ``kvfs up`` in a temporary directory (mgmtd, meta, 3 chunk servers, every block on 3 replicas, no
   mount);
-* Redis (Debian's ``redis-server`` on loopback, persistence off; PyPI ``redis``), pipelined EXISTS / GET / SET;
-* Mooncake Store: not run here (see ``MOONCAKE_SKIPPED``);
+* Redis (Debian's ``redis-server`` on loopback, persistence off; PyPI ``redis``), pipelined EXISTS, MGET, MSET;
+* Mooncake Store (PyPI ``mooncake-transfer-engine-non-cuda``): a master and a segment-server process holding the
+  whole working set in memory, one replica, the client over TCP with the P2PHANDSHAKE metadata mode; their
+  listeners bind every interface, so this script runs that part again as a child inside ``unshare -n`` (a
+  network namespace with only loopback; needs root), which reports its figures as JSON;
 * a plain loopback socket pump of one block per round trip: the ceiling for moving a block between processes.
 
 It prints the hit ratio, get and put GB/s (payload bytes over the time spent in the batch calls, checking
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -31,6 +36,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,8 +50,7 @@ from kvfs.kvclient import KVClient
 from kvfs.localcluster import LocalCluster
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
-MOONCAKE_SKIPPED = ("Mooncake Store: skipped, not set up by this script yet (it needs PyPI "
-                    "mooncake-transfer-engine-non-cuda, a master and a segment server inside `unshare -n`)")
+MOONCAKE_PORT = 50051  # the master's RPC port, inside the benchmark's own network namespace
 
 
 class Store(Protocol):
@@ -101,6 +106,41 @@ class RedisStore:
         self.db.mset(dict(zip(keys, values)))
 
 
+class MooncakeStore:
+    name = "mooncake store (1 replica)"
+
+    def __init__(self, local_buffer: int) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        master = f"127.0.0.1:{MOONCAKE_PORT}"
+        if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, local_buffer, "tcp", "", master):
+            raise OSError("Mooncake Store client setup failed")
+        self._registered: dict[int, int] = {}  # address -> size of the caller's buffers registered for gets
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        n = 0
+        for found in self.store.batch_is_exist(list(keys)):
+            if found != 1:
+                break
+            n += 1
+        return n
+
+    def batch_get_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int]:
+        """Straight into the caller's buffers (registered once each), as kvclient's batch_get_into."""
+        ptrs = [ctypes.addressof(ctypes.c_char.from_buffer(out)) for out in outs]
+        for ptr, out in zip(ptrs, outs):
+            if self._registered.get(ptr) != len(out):
+                if self.store.register_buffer(ptr, len(out)):
+                    raise OSError("Mooncake Store could not register a buffer")
+                self._registered[ptr] = len(out)
+        return self.store.batch_get_into(list(keys), ptrs, [len(out) for out in outs])
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        if self.store.put_batch(list(keys), list(values)):
+            raise OSError("Mooncake Store put_batch failed")
+
+
 @dataclass
 class Figures:
     hits: int = 0
@@ -111,13 +151,13 @@ class Figures:
     get_s: list[float] = field(default_factory=list)
     put_s: list[float] = field(default_factory=list)
 
-    HEADER = (f"{'system':<24} {'hit ratio':>9} {'get GB/s':>9} {'put GB/s':>9} {'get/pump':>9} {'lookup p50':>10}"
+    HEADER = (f"{'system':<27} {'hit ratio':>9} {'get GB/s':>9} {'put GB/s':>9} {'get/pump':>9} {'lookup p50':>10}"
               f" {'get p50':>8} {'get p99':>8} {'put p50':>8} {'put p99':>8}   (latencies: ms per batch call)")
 
     def row(self, name: str, ceiling: float) -> str:
         get, put = _rate(self.got, self.get_s), _rate(self.put, self.put_s)
         ratio = f"{self.hits / self.lookups:9.3f}" if self.lookups else f"{'-':>9}"
-        return (f"{name:<24} {ratio} {get:9.3f} {put:9.3f} {get / ceiling:9.2f} {_ms(self.lookup_s, 50):10.2f}"
+        return (f"{name:<27} {ratio} {get:9.3f} {put:9.3f} {get / ceiling:9.2f} {_ms(self.lookup_s, 50):10.2f}"
                 f" {_ms(self.get_s, 50):8.2f} {_ms(self.get_s, 99):8.2f} {_ms(self.put_s, 50):8.2f}"
                 f" {_ms(self.put_s, 99):8.2f}")
 
@@ -233,6 +273,53 @@ def redis_server(directory: Path) -> Iterator[int | str]:
         proc.wait(10)
 
 
+def mooncake_child(run: Callable[[Store], Figures], working_set: int, largest_batch: int) -> None:
+    """Inside the network namespace: the master, a segment server holding ``working_set`` bytes, and the
+    measured client in this process; the figures go to stdout as the last line."""
+    venv = Path(sys.executable).parent
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    segment = f"""
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+if store.setup("127.0.0.1", "P2PHANDSHAKE", {working_set}, 16 << 20, "tcp", "", "127.0.0.1:{MOONCAKE_PORT}"):
+    sys.exit("segment setup failed")
+print("ready", flush=True)
+time.sleep(86400)
+"""
+    quiet = dict(stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
+    master = subprocess.Popen([str(venv / "mooncake_master"), "-rpc_port", str(MOONCAKE_PORT)],
+                              stdout=subprocess.DEVNULL, **quiet)
+    server = None
+    try:
+        time.sleep(1)
+        server = subprocess.Popen([sys.executable, "-c", segment], stdout=subprocess.PIPE, **quiet)
+        if server.stdout.readline().strip() != b"ready":  # type: ignore[union-attr]
+            raise SystemExit("the Mooncake segment server did not start")
+        fig = run(MooncakeStore(2 * largest_batch + (64 << 20)))
+        print(json.dumps(dataclasses.asdict(fig)))
+    finally:
+        for proc in (server, master):
+            if proc is not None:
+                proc.kill()
+                proc.wait(10)
+
+
+def mooncake_figures(argv: list[str]) -> Figures | str:
+    """Mooncake Store's figures from a run of this script inside ``unshare -n``, or why there are none."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return "Mooncake Store: skipped, PyPI mooncake-transfer-engine-non-cuda is not installed"
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return "Mooncake Store: skipped, its run inside `unshare -n` needs root, unshare and ip (iproute2)"
+    child = subprocess.run(["unshare", "-n", sys.executable, __file__, *argv, "--mooncake-child"],
+                           capture_output=True, text=True, env={**os.environ, "GLOG_minloglevel": "2"})
+    if child.returncode:
+        return f"Mooncake Store: skipped, its run failed: {(child.stderr or child.stdout).strip()[-300:]}"
+    return Figures(**json.loads(child.stdout.strip().splitlines()[-1]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -247,11 +334,13 @@ def main() -> None:
     parser.add_argument("--block-mib", type=int, default=0, help="block mode: batch get/put of N MiB blocks")
     parser.add_argument("--blocks", type=int, default=256, help="block mode: how many blocks")
     parser.add_argument("--batch", type=int, default=16, help="block mode: blocks per batch call")
+    parser.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.block_mib:
         payloads = Payloads(args.block_mib << 20)
         run: Callable[[Store], Figures] = lambda store: blocks(store, args.blocks, args.batch, payloads)
         what = f"block mode: {args.blocks} blocks of {args.block_mib} MiB, {args.batch} per batch call"
+        working_set, largest = (args.blocks + 1) * payloads.size, args.batch * payloads.size
     else:
         if not args.trace.exists():
             raise SystemExit(f"no trace at {args.trace} (see ../shared/README.md)")
@@ -261,12 +350,17 @@ def main() -> None:
         run = lambda store: replay(store, requests, payloads)  # noqa: E731
         what = (f"replay: the first {len(requests)} requests of {args.trace.name},"
                 f" {sum(map(len, requests))} block references of {args.block_kib} KiB")
+        working_set = (len({h for r in requests for h in r}) + 1) * payloads.size
+        largest = max(map(len, requests)) * payloads.size
+    if args.mooncake_child:
+        mooncake_child(run, working_set + working_set // 4 + (64 << 20), largest)
+        return
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     pump = ctx.Process(target=plain_server, args=(queue,), daemon=True)
     pump.start()
     rows: list[tuple[str, Figures]] = []
-    notes = [MOONCAKE_SKIPPED]
+    notes: list[str] = []
     try:
         ceiling = plain_pump(queue.get(timeout=30), payloads.size, 1.5) / 1e9
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
@@ -282,13 +376,18 @@ def main() -> None:
                     notes.append(redis_port)
                 else:
                     rows.append((RedisStore.name, run(RedisStore(redis_port))))
+        mooncake = mooncake_figures(sys.argv[1:])
+        if isinstance(mooncake, str):
+            notes.append(mooncake)
+        else:
+            rows.append((MooncakeStore.name, mooncake))
     finally:
         pump.terminate()
     print(what)
     print(Figures.HEADER)
     for name, fig in rows:
         print(fig.row(name, ceiling))
-    print(f"{'socket pump (ceiling)':<24} {'-':>9} {ceiling:9.3f} {ceiling:9.3f}")
+    print(f"{'socket pump (ceiling)':<27} {'-':>9} {ceiling:9.3f} {ceiling:9.3f}")
     for note in notes:
         print(note)
 
