@@ -29,7 +29,7 @@ import trio
 from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
-from kvfs.meta.posix import LAYOUT_XATTR
+from kvfs.meta.posix import LAYOUT_XATTR, NAME_MAX
 from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
@@ -255,6 +255,8 @@ class KvfsOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ namespace ---------
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
+        if len(name) > NAME_MAX:  # a kernel may pass names up to FUSE_NAME_MAX (1024 bytes) on: none can exist
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         if self.coherence is not None and self.coherence.absent(parent_inode, name):
             return self._negative(parent_inode, name)
         caller = self._caller(ctx)
@@ -374,6 +376,12 @@ class KvfsOperations(pyfuse3.Operations):
             else:
                 old = (await self.meta.getattr(caller, inode)).size
             kw["size"] = new_size
+        if fh is not None and kw.keys() & {"size", "mode"}:
+            # through a descriptor (ftruncate): permission was checked when it was opened, and the mode the file
+            # has now must not undo that, so meta checks the descriptor's write session instead
+            h = self._handles.get(fh)
+            if h is not None and h.session is not None:
+                kw["session"] = h.session
         if not kw:
             return self._entry(await self.meta.getattr(caller, inode))
         result = await self.meta.setattr(caller, inode, **kw)

@@ -332,3 +332,35 @@ def run_as(uid: int, gid: int, fn, *args, groups: tuple[int, ...] = ()):
     if kind == "exc":
         raise AssertionError(f"child raised {value}")
     return value if kind == "ok" else ("errno", value)
+
+
+# ------------------------------------------------------------ comparing the mount with local disk
+_libc = None
+AT_FDCWD = -100
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def renameat2(old, new, flags: int) -> None:
+    """renameat2(2), which Python's os module lacks."""
+    import ctypes
+
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def outcome(fn, *args):
+    """("ok", result) or ("err", "ENAME"): comparable across filesystems, readable in a diff."""
+    try:
+        return ("ok", fn(*args))
+    except OSError as e:
+        return ("err", errno.errorcode.get(e.errno, e.errno))
+
+
+def compare(local: dict, mounted: dict) -> None:
+    """Every case's outcome on the mount is the one on local disk."""
+    diff = [f"  {k}: local {local[k]!r} / kvfs {mounted.get(k)!r}" for k in local if local[k] != mounted.get(k)]
+    assert not diff, "kvfs differs from the local filesystem:\n" + "\n".join(diff)

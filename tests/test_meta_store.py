@@ -243,6 +243,31 @@ def test_write_clears_setuid(ms):
     assert a.size == 10 and not a.mode & (stat.S_ISUID | stat.S_ISGID)
     ms.setattr(ROOT, o.attr.ino, mode=0o6777)
     assert ms.report_length(ROOT, o.attr.ino, o.session, 5).mode & stat.S_ISUID  # root keeps them
+    ms.setattr(ROOT, o.attr.ino, mode=0o2767)  # set-gid without group execute: kept for a member of the group
+    assert ms.report_length(CAROL, o.attr.ino, ms.open(CAROL, o.attr.ino, os.O_WRONLY).session, 5).mode & stat.S_ISGID
+    assert not ms.report_length(BOB, o.attr.ino, other.session, 5).mode & stat.S_ISGID  # dropped for anyone else
+
+
+def test_a_writer_may_drop_set_id_bits_of_a_file_it_does_not_own(ms):
+    """What the kernel asks for, in the writer's name, before a write or truncate through FUSE."""
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o6777).ino
+    assert stat.S_IMODE(ms.setattr(CAROL, f, mode=0o2777).mode) == 0o2777
+    ms.setattr(ALICE, f, mode=0o6777)
+    assert stat.S_IMODE(ms.setattr(BOB, f, mode=0o2777).mode) == 0o777  # set-gid goes too: not in the group
+    fails(errno.EPERM, ms.setattr, BOB, f, mode=0o775)  # anything more is a chmod: the owner's
+    fails(errno.EPERM, ms.setattr, BOB, f, mode=0o4777)
+    ms.setattr(ALICE, f, mode=0o6755)
+    fails(errno.EACCES, ms.setattr, BOB, f, mode=0o755)  # not a writer
+
+
+def test_truncate_through_a_write_session_needs_no_write_permission_now(ms):
+    o = ms.create(BOB, ROOT_INO, b"f", 0, os.O_RDWR)  # mode 0, opened for writing: ftruncate works
+    assert ms.setattr(BOB, o.attr.ino, size=10, session=o.session).size == 10
+    fails(errno.EACCES, ms.setattr, BOB, o.attr.ino, size=0)  # truncate(2) by name checks the mode
+    reader = ms.open(ROOT, o.attr.ino, os.O_RDONLY, hold=True)
+    fails(errno.EBADF, ms.setattr, BOB, o.attr.ino, size=0, session=reader.hold)  # a hold is no write session
+    other = ms.mknod(BOB, ROOT_INO, b"g", stat.S_IFREG | 0o600).ino
+    fails(errno.EBADF, ms.setattr, BOB, other, size=0, session=o.session)  # another file's session
 
 
 # ----------------------------------------------------------------------------- rename ----------

@@ -13,15 +13,12 @@ Two parts:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
 import stat
 import subprocess
 import sys
-import tempfile
-import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +27,7 @@ import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import NEEDS_FUSE, chunks_held, wait_until  # noqa: E402
-from fuse_harness import run_as  # noqa: E402
+from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, outcome, renameat2, run_as  # noqa: E402
 
 import test_fuse_io as io_suite  # noqa: E402
 import test_fuse_ops as ops_suite  # noqa: E402
@@ -84,41 +81,6 @@ test_unlinked_open_file_stays_readable = io_suite.test_unlinked_open_file_stays_
 
 
 # ------------------------------------------------------------------------------------------ helpers
-_libc = ctypes.CDLL(None, use_errno=True)
-AT_FDCWD = -100
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-
-
-def renameat2(old, new, flags: int) -> None:
-    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-
-def outcome(fn, *args):
-    """("ok", result) or ("err", "ENAME"): comparable across filesystems, readable in a diff."""
-    try:
-        return ("ok", fn(*args))
-    except OSError as e:
-        return ("err", errno.errorcode.get(e.errno, e.errno))
-
-
-def compare(local: dict, mounted: dict) -> None:
-    diff = [f"  {k}: local {local[k]!r} / kvfs {mounted.get(k)!r}" for k in local if local[k] != mounted.get(k)]
-    assert not diff, "kvfs differs from the local filesystem:\n" + "\n".join(diff)
-
-
-@pytest.fixture
-def local_dir():
-    """A world-searchable directory on local disk (pytest's tmp dirs are 0700: no use for uid 1000)."""
-    path = Path(tempfile.mkdtemp(prefix="kvfs-local-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def read(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
