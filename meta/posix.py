@@ -120,7 +120,10 @@ def child_attr(caller: Caller, parent: Attr, layout: Layout, mode: int, ino: int
         gid = parent.gid
         if is_dir:
             perm |= stat.S_ISGID
-    if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
+    # Linux's mode_strip_sgid: a set-gid executable for a group its maker is not in would run with that group's
+    # rights; set-gid without group execute (mandatory locking's old mark) is harmless and stays
+    executable_sgid = stat.S_ISGID | stat.S_IXGRP
+    if not is_dir and perm & executable_sgid == executable_sgid and caller.uid != 0 and not caller.in_group(gid):
         perm &= ~stat.S_ISGID
     blksize = layout.chunk_size
     own_layout: Layout | None = layout

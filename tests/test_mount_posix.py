@@ -2,9 +2,9 @@
 
 Two parts:
 
-* The bodies of ``test_fuse_ops.py`` and ``test_fuse_io.py`` (written against the in-process harness) run here
-  unchanged against ``kvfs up``'s mount: the functions are imported, and this module's ``mount`` and ``d``
-  fixtures point them at the shared cluster (pytest resolves fixtures where a test is collected).
+* The bodies of ``test_fuse_ops.py``, ``test_fuse_io.py`` and ``test_mount_posix_edges.py`` (written against the
+  in-process harness) run here unchanged against ``kvfs up``'s mount: the functions are imported, and this
+  module's ``mount`` and ``d`` fixtures point them at the shared cluster (pytest resolves fixtures where a test is collected).
 * What those do not cover: the same operations done on local disk and on the mount, compared outcome by
   outcome (errno names included) for root and for an unprivileged caller (uid 1000); mknod of every type,
   FIFOs that carry data, RENAME_EXCHANGE of a file and a directory, statfs against the chunk servers'
@@ -30,6 +30,7 @@ from cluster_fixtures import NEEDS_FUSE, chunks_held, wait_until  # noqa: E402
 from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, outcome, renameat2, run_as  # noqa: E402
 
 import test_fuse_io as io_suite  # noqa: E402
+import test_mount_posix_edges as edges_suite  # noqa: E402
 import test_fuse_ops as ops_suite  # noqa: E402
 
 pytest_plugins = ["cluster_fixtures"]
@@ -78,6 +79,21 @@ test_mtime_advances_on_write = io_suite.test_mtime_advances_on_write
 test_posix_locks_within_the_mount = io_suite.test_posix_locks_within_the_mount
 test_fallocate_not_supported_or_emulated = io_suite.test_fallocate_not_supported_or_emulated
 test_unlinked_open_file_stays_readable = io_suite.test_unlinked_open_file_stays_readable
+
+test_names_over_name_max_are_enametoolong_everywhere = edges_suite.test_names_over_name_max_are_enametoolong_everywhere
+test_a_name_of_name_max_bytes_works = edges_suite.test_a_name_of_name_max_bytes_works
+test_writers_clear_set_id_bits_as_linux_does = edges_suite.test_writers_clear_set_id_bits_as_linux_does
+test_root_keeps_set_id_bits_on_write_and_chown_clears_them = edges_suite.test_root_keeps_set_id_bits_on_write_and_chown_clears_them
+test_owner_clears_set_id_bits_of_own_file_on_write = edges_suite.test_owner_clears_set_id_bits_of_own_file_on_write
+test_ftruncate_through_a_writable_descriptor_ignores_the_mode = edges_suite.test_ftruncate_through_a_writable_descriptor_ignores_the_mode
+test_hard_link_and_rename_corner_cases = edges_suite.test_hard_link_and_rename_corner_cases
+test_sticky_directories = edges_suite.test_sticky_directories
+test_utimensat_now_and_omit_by_non_owners = edges_suite.test_utimensat_now_and_omit_by_non_owners
+test_o_trunc_and_o_append = edges_suite.test_o_trunc_and_o_append
+test_statfs_figures_are_consistent = edges_suite.test_statfs_figures_are_consistent
+test_xattr_flags_and_namespaces = edges_suite.test_xattr_flags_and_namespaces
+test_modes_of_new_inodes_and_moved_directories = edges_suite.test_modes_of_new_inodes_and_moved_directories
+test_symlink_times_and_ownership = edges_suite.test_symlink_times_and_ownership
 
 
 # ------------------------------------------------------------------------------------------ helpers

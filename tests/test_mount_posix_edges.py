@@ -597,3 +597,56 @@ def test_xattr_flags_and_namespaces(d, local_dir, uid):
     assert mounted["CREATE existing"] == ("err", "EEXIST")
     assert mounted["REPLACE missing"] == ("err", "ENODATA")
     assert mounted["name of 256 bytes"] == ("err", "ERANGE")
+
+
+# ------------------------------------------------------------------------- modes made and changed
+def modes_setup(b: Path) -> None:
+    os.chmod(b, 0o755)
+    for name, gid in (("sgid-foreign", OTHER_GID), ("sgid-mine", GID)):
+        os.mkdir(b / name)
+        os.chown(b / name, 0, gid)
+        os.chmod(b / name, 0o2777)
+    os.mkdir(b / "a")
+    os.mkdir(b / "b")
+    os.chmod(b / "a", 0o777)
+    os.chmod(b / "b", 0o777)
+    os.mkdir(b / "a" / "rootdir")
+    (b / "own").write_bytes(b"")
+    os.chown(b / "own", UID, GID)
+    os.chmod(b / "own", 0o6755)
+
+
+def modes_cases(b: Path) -> dict:
+    os.umask(0)
+    r = {}
+    for parent in ("sgid-foreign", "sgid-mine", "a"):
+        for kind, mode in (("file", 0o7777), ("file", 0o2666), ("file", 0o2755), ("dir", 0o7777), ("dir", 0o1777)):
+            p = b / parent / f"{kind}-{mode:o}"
+            make = (lambda p=p, mode=mode: os.close(os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode))) \
+                if kind == "file" else (lambda p=p, mode=mode: os.mkdir(p, mode))
+            r[f"{parent}/{p.name}"] = (outcome(make), outcome(mode_of, p))
+    r["move root's dir to another parent"] = outcome(os.rename, b / "a" / "rootdir", b / "b" / "rootdir")
+    r["rename root's dir in its parent"] = outcome(os.rename, b / "a" / "rootdir", b / "a" / "renamed")
+    r["chgrp my set-id file"] = (outcome(os.chown, b / "own", -1, GID), mode_of(b / "own"))
+    r["open O_CREAT of a directory"] = outcome(os.open, b / "a", os.O_CREAT | os.O_WRONLY)
+    return r
+
+
+@pytest.mark.parametrize("uid", [None, UID], ids=["root", "uid1000"])
+def test_modes_of_new_inodes_and_moved_directories(d, local_dir, uid):
+    mounted = both(local_dir, d, modes_cases, uid=uid, setup=modes_setup)
+    assert mounted["a/dir-1777"] == (("ok", None), ("ok", oct(stat.S_IFDIR | 0o1777)))
+
+
+def test_symlink_times_and_ownership(d, local_dir):
+    def cases(b: Path) -> dict:
+        os.symlink("nowhere", b / "sym")
+        return {
+            "lutimes": outcome(lambda: (os.utime(b / "sym", ns=(5, 7), follow_symlinks=False),
+                                        os.lstat(b / "sym").st_mtime_ns)[1]),
+            "lchown": outcome(lambda: (os.lchown(b / "sym", UID, GID), os.lstat(b / "sym").st_uid)[1]),
+            "chmod through a dangling symlink": outcome(os.chmod, b / "sym", 0o600),
+            "mode": mode_of(b / "sym"),
+        }
+
+    both(local_dir, d, cases)
