@@ -382,8 +382,8 @@ class KvfsOperations(pyfuse3.Operations):
             h = self._handles.get(fh)
             if h is not None and h.session is not None:
                 kw["session"] = h.session
-        if not kw:
-            return self._entry(await self.meta.getattr(caller, inode))
+        # Nothing to change still changes ctime: chown(f, -1, -1) does on Linux, and FUSE (without writeback
+        # caching) sends it as a setattr with no fields; meta's setattr sets ctime whatever it is asked
         result = await self.meta.setattr(caller, inode, **kw)
         if new_size is not None:
             if st is not None:

@@ -94,6 +94,7 @@ test_statfs_figures_are_consistent = edges_suite.test_statfs_figures_are_consist
 test_xattr_flags_and_namespaces = edges_suite.test_xattr_flags_and_namespaces
 test_modes_of_new_inodes_and_moved_directories = edges_suite.test_modes_of_new_inodes_and_moved_directories
 test_symlink_times_and_ownership = edges_suite.test_symlink_times_and_ownership
+test_which_times_each_call_moves = edges_suite.test_which_times_each_call_moves
 
 
 # ------------------------------------------------------------------------------------------ helpers

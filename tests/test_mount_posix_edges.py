@@ -629,6 +629,7 @@ def modes_cases(b: Path) -> dict:
     r["rename root's dir in its parent"] = outcome(os.rename, b / "a" / "rootdir", b / "a" / "renamed")
     r["chgrp my set-id file"] = (outcome(os.chown, b / "own", -1, GID), mode_of(b / "own"))
     r["open O_CREAT of a directory"] = outcome(os.open, b / "a", os.O_CREAT | os.O_WRONLY)
+    r["chown -1 -1 of root's directory"] = (outcome(os.chown, b / "a", -1, -1), mode_of(b / "a"))
     return r
 
 
@@ -650,3 +651,65 @@ def test_symlink_times_and_ownership(d, local_dir):
         }
 
     both(local_dir, d, cases)
+
+
+# ------------------------------------------------------------------------------ which times move
+def _times(p) -> tuple[int, int]:
+    st = os.lstat(p)
+    return st.st_mtime_ns, st.st_ctime_ns
+
+
+def times_cases(b: Path) -> dict:
+    """For each call, whether it moved mtime and ctime of the file and of its directory (atime is left out: it
+    depends on the mount's relatime/noatime, not on the filesystem)."""
+    def write(p) -> None:
+        with open(p, "r+b") as f:
+            f.write(b"w")
+
+    def rewrite_link(p) -> None:
+        os.link(p, b / "d" / "second")
+        os.unlink(b / "d" / "second")
+
+    f = b / "d" / "f"
+    calls = {
+        "write": write,
+        "truncate to the same size": lambda p: os.truncate(p, os.stat(p).st_size),
+        "truncate": lambda p: os.truncate(p, 1),
+        "O_TRUNC of an empty file": lambda p: (os.truncate(p, 0), time.sleep(0.05),
+                                               os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))),
+        "chmod": lambda p: os.chmod(p, 0o600),
+        "chown to the same": lambda p: os.chown(p, -1, -1),
+        "utime NOW": lambda p: os.utime(p),
+        "explicit utime": lambda p: os.utime(p, (5, 5)),
+        "setxattr": lambda p: os.setxattr(p, "user.t", b"1"),
+        "link": lambda p: os.link(p, b / "d" / "link"),
+        "link and unlink again": rewrite_link,
+        "rename within the directory": lambda p: os.rename(p, b / "d" / "renamed"),
+        "read": lambda p: Path(p).read_bytes(),
+        "stat": os.stat,
+        "mkdir beside it": lambda p: os.mkdir(b / "d" / "sub"),
+        "symlink beside it": lambda p: os.symlink("f", b / "d" / "sym"),
+    }
+    r = {}
+    for name, call in calls.items():
+        os.makedirs(b / "d", exist_ok=True)
+        f.write_bytes(b"data")
+        time.sleep(0.05)  # past the kernel's coarse clock tick
+        before = _times(f), _times(b / "d")
+        time.sleep(0.05)
+        out = outcome(call, f)
+        after_f = _times(f) if f.exists() else _times(b / "d" / "renamed")
+        after = after_f, _times(b / "d")
+        r[name] = (out[0], [[x != y for x, y in zip(b4, af)] for b4, af in zip(before, after)])
+        for leftover in ("link", "renamed", "sym", "f"):
+            if os.path.lexists(b / "d" / leftover):
+                os.unlink(b / "d" / leftover)
+        if (b / "d" / "sub").exists():
+            os.rmdir(b / "d" / "sub")
+    return r
+
+
+@pytest.mark.parametrize("uid", [None, UID], ids=["root", "uid1000"])
+def test_which_times_each_call_moves(d, local_dir, uid):
+    mounted = both(local_dir, d, times_cases, uid=uid, setup=lambda b: os.chmod(b, 0o777))
+    assert mounted["write"] == ("ok", [[True, True], [False, False]])
