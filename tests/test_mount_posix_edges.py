@@ -151,6 +151,16 @@ def _write(p) -> None:
         os.close(fd)
 
 
+def _write_and_stat(p) -> str:
+    """The mode a writer sees right after its write returns, before it closes."""
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.write(fd, b"!")
+        return oct(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
 def _ftruncate(p) -> None:
     fd = os.open(p, os.O_WRONLY)
     try:
@@ -167,6 +177,7 @@ def _write_rdwr(p) -> None:
 SETID_ACTIONS = {
     "write": _write,
     "write O_RDWR": _write_rdwr,
+    "write then fstat": _write_and_stat,
     "truncate": lambda p: os.truncate(p, 1),
     "ftruncate": _ftruncate,
     "O_TRUNC": lambda p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC)),
