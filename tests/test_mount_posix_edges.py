@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, fresh_dir, outcome, renameat2, run_as, running_mount
+from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, outcome, renameat2, run_as
+from test_fuse_ops import d, mount  # noqa: F401 - the harness mount, and a fresh 0777 directory on it per test
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
@@ -29,18 +30,6 @@ UID = GID = 1000
 OTHER_GID = 4343
 LONG = "N" * 256  # one byte over NAME_MAX
 LONGEST = "M" * 255  # NAME_MAX exactly
-
-
-@pytest.fixture(scope="module")
-def mount(tmp_path_factory):
-    with running_mount(tmp_path_factory.mktemp("posix_edges"), public=True) as m:
-        yield m
-
-
-@pytest.fixture
-def d(mount):
-    """A root-owned 0755 directory on the mount, as ``local_dir`` is on local disk."""
-    return fresh_dir(mount, 0o755)
 
 
 def both(local: Path, mounted: Path, cases, *, uid: int | None = None, setup=None) -> dict:
@@ -353,6 +342,8 @@ def link_rename_cases(b: Path) -> dict:
     r["exchange dir with its grandchild"] = outcome(renameat2, b / "p", b / "p" / "q" / "r", RENAME_EXCHANGE)
     r["exchange a grandchild with its ancestor"] = outcome(renameat2, b / "p" / "q" / "r", b / "p", RENAME_EXCHANGE)
     r["rename dir over non-empty dir"] = outcome(os.rename, b / "empty", b / "p")
+    r["rename a grandchild onto its ancestor"] = outcome(os.rename, b / "p" / "q" / "r", b / "p")
+    r["rmdir dot-dot"] = outcome(os.rmdir, f"{b}/p/q/..")
     r["rename dir over file"] = outcome(os.rename, b / "empty", b / "a")
     r["rename file over dir"] = outcome(os.rename, b / "a", b / "empty")
     r["rename to dot"] = outcome(os.rename, b / "p" / "q", f"{b}/p/.")  # (pathlib would drop the dot)
@@ -622,6 +613,8 @@ def modes_setup(b: Path) -> None:
     os.chmod(b / "a", 0o777)
     os.chmod(b / "b", 0o777)
     os.mkdir(b / "a" / "rootdir")
+    os.mkdir(b / "mydir")
+    os.chown(b / "mydir", UID, OTHER_GID)
     (b / "own").write_bytes(b"")
     os.chown(b / "own", UID, GID)
     os.chmod(b / "own", 0o6755)
@@ -641,6 +634,7 @@ def modes_cases(b: Path) -> dict:
     r["chgrp my set-id file"] = (outcome(os.chown, b / "own", -1, GID), mode_of(b / "own"))
     r["open O_CREAT of a directory"] = outcome(os.open, b / "a", os.O_CREAT | os.O_WRONLY)
     r["chown -1 -1 of root's directory"] = (outcome(os.chown, b / "a", -1, -1), mode_of(b / "a"))
+    r["chmod g+s my directory of a foreign group"] = (outcome(os.chmod, b / "mydir", 0o2775), mode_of(b / "mydir"))
     return r
 
 
