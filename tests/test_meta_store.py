@@ -258,6 +258,8 @@ def test_a_writer_may_drop_set_id_bits_of_a_file_it_does_not_own(ms):
     fails(errno.EPERM, ms.setattr, BOB, f, mode=0o4777)
     ms.setattr(ALICE, f, mode=0o6755)
     fails(errno.EACCES, ms.setattr, BOB, f, mode=0o755)  # not a writer
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o2777).ino
+    fails(errno.EPERM, ms.setattr, BOB, d, mode=0o777)  # only files lose set-id bits to writes
 
 
 def test_truncate_through_a_write_session_needs_no_write_permission_now(ms):

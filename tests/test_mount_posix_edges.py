@@ -110,7 +110,8 @@ def longest_name_cases(b: Path) -> dict:
         "create inside": outcome(lambda: (longest / LONGEST).write_bytes(b"in")),
         "symlink": outcome(os.symlink, LONGEST + "/" + LONGEST, b / ("s" * 255)),
         "through the symlink": outcome(lambda: (b / ("s" * 255)).read_bytes()),
-        "symlink to 4095 bytes": outcome(lambda: (os.symlink("t" * 4095, b / "t4095"), len(os.readlink(b / "t4095")))[1]),
+        "symlink to 4095 bytes": outcome(lambda: (os.symlink("t" * 4095, b / "t4095"),
+                                                  len(os.readlink(b / "t4095")))[1]),
         "symlink to 4096 bytes": outcome(os.symlink, "t" * 4096, b / "t4096"),
     }
     r["listing"] = sorted(os.listdir(b))

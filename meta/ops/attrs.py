@@ -81,7 +81,7 @@ class AttrOps(OpsBase):
                 self._sessions.writer_inode(tr, ino, session)
 
         if mode is not None:
-            if caller.uid not in (0, attr.uid) and clears_only_set_id(attr.mode, mode):
+            if caller.uid not in (0, attr.uid) and stat.S_ISREG(attr.mode) and clears_only_set_id(attr.mode, mode):
                 require_write()
             else:
                 require_owner(caller, attr)
