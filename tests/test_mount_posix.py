@@ -95,6 +95,7 @@ test_xattr_flags_and_namespaces = edges_suite.test_xattr_flags_and_namespaces
 test_modes_of_new_inodes_and_moved_directories = edges_suite.test_modes_of_new_inodes_and_moved_directories
 test_symlink_times_and_ownership = edges_suite.test_symlink_times_and_ownership
 test_which_times_each_call_moves = edges_suite.test_which_times_each_call_moves
+test_rules_hold_in_a_directory_the_mount_answers_for = edges_suite.test_rules_hold_in_a_directory_the_mount_answers_for
 
 
 # ------------------------------------------------------------------------------------------ helpers

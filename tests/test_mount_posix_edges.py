@@ -721,3 +721,34 @@ def times_cases(b: Path) -> dict:
 def test_which_times_each_call_moves(d, local_dir, uid):
     mounted = both(local_dir, d, times_cases, uid=uid, setup=lambda b: os.chmod(b, 0o777))
     assert mounted["write"] == ("ok", [[True, True], [False, False]])
+
+
+# -------------------------------------------------- directories whose creates the mount answers itself
+def busy_dir_cases(b: Path) -> dict:
+    """Many creates in one directory (a mount with delegations, as on the cluster in test_mount_posix.py, asks for
+    it and then answers creates and removals there itself: fuse/dirops.py), then other users and a permission
+    change: the rules hold the same."""
+    def make_many(prefix: str) -> list:
+        return [outcome(lambda i=i: (b / "s" / f"{prefix}{i}").write_bytes(b"x")) for i in range(20)]
+
+    r = {"uid 1000 creates": run_as(UID, GID, make_many, "a")}
+    r["uid 1001 removes one of them (sticky)"] = run_as(1001, 1001, outcome, os.unlink, b / "s" / "a3")
+    r["uid 1001 renames one of them (sticky)"] = run_as(1001, 1001, outcome, os.rename, b / "s" / "a4", b / "s" / "z")
+    r["uid 1000 removes its own"] = run_as(UID, GID, outcome, os.unlink, b / "s" / "a5")
+    os.chmod(b / "s", 0o1775)
+    r["uid 1000 creates after the directory is closed to it"] = run_as(UID, GID, make_many, "b")[:2]
+    r["uid 1000 removes after"] = run_as(UID, GID, outcome, os.unlink, b / "s" / "a6")
+    r["modes"] = sorted({mode_of(p) for p in (b / "s").iterdir()})
+    r["listing"] = sorted(os.listdir(b / "s"))
+    return r
+
+
+def test_rules_hold_in_a_directory_the_mount_answers_for(d, local_dir):
+    def setup(b: Path) -> None:
+        os.chmod(b, 0o755)
+        os.mkdir(b / "s")
+        os.chmod(b / "s", 0o1777)
+
+    mounted = both(local_dir, d, busy_dir_cases, setup=setup)
+    assert mounted["uid 1001 removes one of them (sticky)"] == ("err", "EPERM")
+    assert mounted["uid 1000 removes after"] == ("err", "EACCES")
