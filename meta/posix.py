@@ -20,7 +20,7 @@ from kvfs.meta.types import Attr, Caller, Inode, Layout, TimeSpec
 ROOT_INO = 1
 NAME_MAX = 255
 PATH_MAX = 4096
-LINK_MAX = 65000  # ext4's limit
+LINK_MAX = 65000  # hard links to a file, as ext4; a directory's subdirectories are not limited (ext4's dir_nlink)
 SYMLOOP_MAX = 40
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 * 1024

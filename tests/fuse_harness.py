@@ -179,8 +179,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--write-buffer", type=int, default=8 << 20)
     p.add_argument("--fail-writes-from", type=int, default=None)
     p.add_argument("--write-jitter", type=float, default=0.0)
+    p.add_argument("--link-max", type=int, default=None, help="tests: meta's limit on a file's hard links")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
+    if a.link_max is not None:
+        from kvfs.meta.ops import entries
+
+        entries.LINK_MAX = a.link_max
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.WARNING, stream=sys.stderr)
     trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer,
              {"fail_writes_from": a.fail_writes_from, "write_jitter": a.write_jitter})

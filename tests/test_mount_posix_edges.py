@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, outcome, renameat2, run_as
+from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, fresh_dir, outcome, renameat2, run_as, running_mount
 from test_fuse_ops import d, mount  # noqa: F401 - the harness mount, and a fresh 0777 directory on it per test
 
 pytestmark = pytest.mark.skipif(
@@ -752,3 +752,32 @@ def test_rules_hold_in_a_directory_the_mount_answers_for(d, local_dir):
     mounted = both(local_dir, d, busy_dir_cases, setup=setup)
     assert mounted["uid 1001 removes one of them (sticky)"] == ("err", "EPERM")
     assert mounted["uid 1000 removes after"] == ("err", "EACCES")
+
+
+# ------------------------------------------------------------------------------------ link limits
+@pytest.fixture(scope="module")
+def low_link_max(tmp_path_factory):
+    """A harness mount whose meta allows 5 hard links to a file instead of ext4's 65000, so the limit is cheap
+    to reach (the same check, the same path from meta to the caller)."""
+    with running_mount(tmp_path_factory.mktemp("link_max"), "--link-max", "5") as m:
+        yield m
+
+
+def test_hard_link_limit_and_unlimited_subdirectories(low_link_max):
+    d = fresh_dir(low_link_max)
+    (d / "f").write_bytes(b"data")
+    for i in range(4):
+        os.link(d / "f", d / f"l{i}")
+    assert outcome(os.link, d / "f", d / "l4") == ("err", "EMLINK")
+    assert os.stat(d / "f").st_nlink == 5 and (d / "l3").read_bytes() == b"data" and not (d / "l4").exists()
+    (d / "other").write_bytes(b"o")
+    os.rename(d / "other", d / "l0")  # a rename over one of the names frees a link
+    assert os.stat(d / "f").st_nlink == 4
+    os.link(d / "f", d / "l4")
+    # subdirectories are not limited, as on ext4 (dir_nlink): the count goes on past the file limit
+    os.mkdir(d / "many")
+    for i in range(7):
+        os.mkdir(d / "many" / f"s{i}")
+    os.mkdir(d / "moved")
+    os.rename(d / "moved", d / "many" / "moved")
+    assert os.stat(d / "many").st_nlink == 2 + 8
