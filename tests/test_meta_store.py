@@ -8,12 +8,15 @@ import os
 import stat
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvfs.errors import KvfsError
 from kvfs.meta.api import MetaApi
 from kvfs.meta.ops import entries as entry_ops
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
+from kvfs.meta.posix import clears_only_set_id
 from kvfs.kv.keys import pack
 from kvfs.chunkserver.placement import chunk_chain, permutation, splitmix64
 from kvfs.meta.store import (
@@ -263,6 +266,12 @@ def test_a_writer_may_drop_set_id_bits_of_a_file_it_does_not_own(ms):
     fails(errno.EACCES, ms.setattr, BOB, f, mode=0o755)  # not a writer
     d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o2777).ino
     fails(errno.EPERM, ms.setattr, BOB, d, mode=0o777)  # only files lose set-id bits to writes
+
+
+@given(st.integers(0, 0o7777), st.integers(0, 0o7777))
+def test_a_writer_may_ask_for_exactly_the_modes_with_set_id_bits_dropped(old, new):
+    dropped = {old & ~bits for bits in (stat.S_ISUID, stat.S_ISGID, stat.S_ISUID | stat.S_ISGID)} - {old}
+    assert clears_only_set_id(stat.S_IFREG | old, stat.S_IFREG | new) == (new in dropped)
 
 
 def test_truncate_through_a_write_session_needs_no_write_permission_now(ms):

@@ -728,6 +728,16 @@ def test_which_times_each_call_moves(d, local_dir, uid):
 
 
 # -------------------------------------------------- directories whose creates the mount answers itself
+def _make_mode0_and_ftruncate(p: Path) -> int:
+    fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0)
+    try:
+        os.write(fd, b"12345")
+        os.ftruncate(fd, 2)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
 def busy_dir_cases(b: Path) -> dict:
     """Many creates in one directory (a mount with delegations, as on the cluster in test_mount_posix.py, asks for
     it and then answers creates and removals there itself: fuse/dirops.py), then other users and a permission
@@ -739,6 +749,8 @@ def busy_dir_cases(b: Path) -> dict:
     r["uid 1001 removes one of them (sticky)"] = run_as(1001, 1001, outcome, os.unlink, b / "s" / "a3")
     r["uid 1001 renames one of them (sticky)"] = run_as(1001, 1001, outcome, os.rename, b / "s" / "a4", b / "s" / "z")
     r["uid 1000 removes its own"] = run_as(UID, GID, outcome, os.unlink, b / "s" / "a5")
+    r["uid 1000 ftruncates a mode-0 file it made there"] = run_as(UID, GID, outcome, _make_mode0_and_ftruncate,
+                                                                   b / "s" / "zero")
     os.chmod(b / "s", 0o1775)
     r["uid 1000 creates after the directory is closed to it"] = run_as(UID, GID, make_many, "b")[:2]
     r["uid 1000 removes after"] = run_as(UID, GID, outcome, os.unlink, b / "s" / "a6")
