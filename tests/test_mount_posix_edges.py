@@ -797,3 +797,40 @@ def test_hard_link_limit_and_unlimited_subdirectories(low_link_max):
     os.mkdir(d / "moved")
     os.rename(d / "moved", d / "many" / "moved")
     assert os.stat(d / "many").st_nlink == 2 + 8
+
+
+# ------------------------------------------------------------------------------ special files, misc
+def misc_setup(b: Path) -> None:
+    os.chmod(b, 0o777)
+    os.mkfifo(b / "fifo", 0o666)
+    (b / "file").write_bytes(b"0123456789")
+    os.chmod(b / "file", 0o666)
+    os.symlink("file", b / "sym")
+    os.mkdir(b / "dir")
+    os.mkdir(b / "closed", 0o700)
+    os.chmod(b / "closed", 0o700)
+
+
+def misc_cases(b: Path) -> dict:
+    return {
+        "mknod a socket": outcome(os.mknod, b / "sock", stat.S_IFSOCK | 0o600),
+        "mknod a char device": outcome(os.mknod, b / "chr", stat.S_IFCHR | 0o600, os.makedev(1, 3)),
+        "mknod with no type": outcome(lambda: (os.mknod(b / "plain", 0o600), mode_of(b / "plain"))[1]),
+        "truncate a FIFO": outcome(os.truncate, b / "fifo", 0),
+        "truncate a directory": outcome(os.truncate, b / "dir", 0),
+        "truncate through a symlink": outcome(lambda: (os.truncate(b / "sym", 3), os.stat(b / "file").st_size)[1]),
+        "hard link following a symlink": outcome(lambda: (os.link(b / "sym", b / "hl", follow_symlinks=True),
+                                                          stat.S_ISREG(os.lstat(b / "hl").st_mode))[1]),
+        "rmdir a file with a trailing slash": outcome(os.rmdir, f"{b}/file/"),
+        "unlink a directory": outcome(os.unlink, b / "dir"),
+        "rename into a closed directory": outcome(os.rename, b / "file", b / "closed" / "f"),
+        "mkdir with a trailing slash": outcome(lambda: (os.mkdir(f"{b}/slashed/"), os.path.isdir(b / "slashed"))[1]),
+        "create with a trailing slash": outcome(os.open, f"{b}/new/", os.O_CREAT | os.O_WRONLY),
+        "symlink with a trailing slash": outcome(os.symlink, "x", f"{b}/s2/"),
+        "listing": sorted(os.listdir(b)),
+    }
+
+
+@pytest.mark.parametrize("uid", [None, UID], ids=["root", "uid1000"])
+def test_special_files_and_trailing_slashes(d, local_dir, uid):
+    both(local_dir, d, misc_cases, uid=uid, setup=misc_setup)
