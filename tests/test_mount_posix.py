@@ -96,6 +96,7 @@ test_modes_of_new_inodes_and_moved_directories = edges_suite.test_modes_of_new_i
 test_symlink_times_and_ownership = edges_suite.test_symlink_times_and_ownership
 test_which_times_each_call_moves = edges_suite.test_which_times_each_call_moves
 test_rules_hold_in_a_directory_the_mount_answers_for = edges_suite.test_rules_hold_in_a_directory_the_mount_answers_for
+test_special_files_and_trailing_slashes = edges_suite.test_special_files_and_trailing_slashes
 
 
 # ------------------------------------------------------------------------------------------ helpers
