@@ -44,11 +44,14 @@ class MetaApi(Protocol):
         size: int | None = None,
         atime: TimeSpec = None,
         mtime: TimeSpec = None,
+        session: int | None = None,
     ) -> Attr:
         """chmod/chown/truncate/utimens in one.  ``None`` leaves a field alone; times take nanoseconds or
         ``"now"``.  Only the owner (or root) may chmod or set explicit times, only root may give a file away,
         an owner may chgrp to a group it belongs to; chown clears the set-id bits of non-directories; truncate
-        needs write permission."""
+        needs write permission, and so does a mode change by anyone else that only drops set-id bits (what a
+        write makes the kernel ask for). ``session``: the caller's write session on ``ino`` (``ftruncate``):
+        write permission was checked at open, so neither needs it now."""
 
     def create(self, caller: Caller, parent: int, name: bytes | str, mode: int, flags: int = os.O_RDWR) -> Opened:
         """open(O_CREAT): create a regular file, or open the existing one unless ``O_EXCL``. Opening for
