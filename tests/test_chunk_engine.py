@@ -213,6 +213,29 @@ def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_pat
         assert [content(e, x) for x in (C, d, f)] == [b"b" * 100, b"c" * 100, b"d" * 100]
 
 
+def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path) -> None:
+    """A short-circuit reader reads the slot file while the server holds the pin: a newer version's commit must not
+    let another chunk reuse the slot before ``release()``; afterwards it may."""
+    d = ChunkId(8, 0)
+    data = os.urandom(3 * BLOCK + 5)
+    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+        put(e, C, 1, 0, data)
+        loc = e.pin_location(C, 1, BLOCK + 3, BLOCK)
+        assert (loc.version, loc.length, loc.first_block) == (1, len(data), 1)
+        assert loc.block_crcs == [crc32c(data[BLOCK : 2 * BLOCK]), crc32c(data[2 * BLOCK : 3 * BLOCK])]
+        put(e, C, 2, 0, b"x" * 100)  # replaces v1: its slot is retired, but pinned
+        put(e, d, 1, 0, os.urandom(len(data)))
+        assert e.local_location(d)[1] != loc.offset
+        with open(loc.path, "rb") as f:
+            assert os.pread(f.fileno(), len(data), loc.offset) == data
+        loc.release()
+        put(e, ChunkId(9, 0), 1, 0, b"y" * len(data))
+        assert e.local_location(ChunkId(9, 0))[1] == loc.offset
+        with pytest.raises(KvfsError) as err:
+            e.pin_location(C, 1, 0, 10)
+        assert err.value.errno == errno.ENOENT
+
+
 def unsynced(root: Path) -> list[tuple[int, int, int]]:
     """(inode, index, version) of the versions a power loss could still tear, read as another process would."""
     db = sqlite3.connect(root / "chunks.sqlite")
