@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-
 from cluster_fixtures import NEEDS_FUSE, KVFS, REPO, KvfsCluster, wait_until
 from tmpfs import tmpfs
 
