@@ -137,6 +137,8 @@ class SimConfig:
     stall_share: float = 0.0  # of faults: a node's disk stalls for 50-300 ms (persists finish after it)
     slow_persist: float = 0.0  # fraction of persists taking 5-40 ms, longer than a round trip
     lose_share: float = 0.0  # chance that a run loses one node for good during the faults
+    #: roll back only where no acknowledged write can be lost (False shows the lastsrv hazard, craq/README.md)
+    rollback_guard: bool = True
     liveness_bound: float = 1.0  # every write issued once the cluster is calm completes within this
 
 
@@ -453,7 +455,7 @@ class Sim:
         node = self.rng.choice(list(self.nodes.values()))
         if self.rng.random() < cfg.failover_share:
             self._mgmtd_failover()
-        elif self._rollback_unnoticed():
+        elif cfg.rollback_guard and self._rollback_unnoticed():
             pass  # mgmtd must see a rolled-back node go before it sees another node of its chains go (see _crash)
         elif self.rng.random() < cfg.cut_off_share:
             # cut off from mgmtd: it keeps serving peers and clients with old routing until its lease runs out
@@ -476,7 +478,8 @@ class Sim:
         node.alive = False
         self.counts["crashes"] += 1
         others_up = all(self._up(n.node_id) for n in self.nodes.values() if n is not node and not n.lost)
-        if rollback and up and others_up and not self._rollback_unnoticed() and self._others_cover(node):
+        guarded = others_up and not self._rollback_unnoticed() and self._others_cover(node)
+        if rollback and up and (guarded or not self.cfg.rollback_guard):
             self.unnoticed_rollback = (node.node_id, node.incarnation)
             self.counts["rollbacks"] += 1
             self.counts["versions rolled back"] += sum(len(e.unflushed()) for e in node.engines.values())

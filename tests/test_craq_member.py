@@ -536,9 +536,9 @@ def test_a_former_head_sends_its_waiting_and_queued_clients_to_the_new_head():
     chain.reconfigure(config(2, (2, S), (1, S), (3, S)), 1)
     assert sorted((r.client_id, r.errno) for r in chain.replies) == [(8, errno.ESTALE), (9, errno.ESTALE)]
     chain.replies.clear()
-    chain.reconfigure(config(3, (1, S), (2, S), (3, S)), 1)  # head again: nothing left to answer twice
+    chain.reconfigure(config(3, (1, S), (2, S), (3, S)))  # head again: nothing left to answer twice, or to start
     chain.deliver_all()
-    assert chain.replies == []
+    assert chain.replies == [] and chain.members[3].chunk_versions(CID) == (1, None)
 
 
 def test_a_client_retry_at_a_new_head_joins_the_pending_write():
@@ -607,7 +607,8 @@ def test_an_error_reply_names_no_version():
 
 def test_configs_older_than_or_equal_to_the_current_one_change_nothing():
     chain = Chain(config(2, (1, S), (2, S)))
-    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.run(1, chain.members[1].handle(write(b"a", version=2)))
+    assert chain.outbox and chain.members[1].chunk_versions(CID) == (0, 1)
     chain.outbox.clear()
     head = chain.members[1]
     assert head.handle(Configure(config(2, (1, S), (2, S)), 100.0)) == []  # every heartbeat: no re-drive
@@ -647,14 +648,17 @@ def test_resync_is_resent_only_when_due_and_a_duplicate_answer_is_ignored():
     chain.deliver_all()
     pred = chain.members[1]
     pred.handle(Tick(5.0))
-    assert pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0)) == [Send(2, ResyncQuery(1, 2, 1))]
+    query = [Send(2, ResyncQuery(1, 2, 1))]
+    assert pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0)) == query
     assert pred.handle(Tick(5.01)) == []  # the query is not due again yet
+    assert pred.handle(Tick(5.06)) == query  # lost: asked again
+    assert pred.handle(Tick(5.07)) == []
     state = ResyncState(1, 2, 2, ())
     (copy,) = pred.handle(state)  # the successor lacks the chunk: one copy
     assert isinstance(copy, SendChunk) and copy.msg.resync
     assert pred.handle(state) == []  # a duplicate answer (to a retransmitted query)
-    assert pred.handle(Tick(5.02)) == []
-    (again,) = pred.handle(Tick(5.1))  # the copy was lost: sent again
+    assert pred.handle(Tick(5.115)) == []  # the copy went at 5.07, when the answer came
+    (again,) = pred.handle(Tick(5.13))  # the copy was lost: sent again
     assert isinstance(again, SendChunk) and again.msg.version == 1
 
 
@@ -687,3 +691,12 @@ def test_a_resync_answer_from_a_stranger_is_a_protocol_error():
     chain.members[2].handle(Configure(config(2, (1, S), (2, S), (3, Y)), 100.0))
     with pytest.raises(ProtocolError):
         chain.members[2].handle(ResyncState(1, 2, 1, ()))  # from its predecessor, not the syncing target
+
+
+def test_a_failed_persist_at_a_member_taken_out_of_the_chain_is_dropped_quietly():
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    member.handle(Configure(config(2, (1, S), (3, S)), 100.0))  # replaced: no longer in the chain at all
+    assert member.handle(PersistFailed(CID, 1, errno.EIO, "io")) == []
+    assert member.chunk_versions(CID) == (0, None)
