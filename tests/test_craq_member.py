@@ -16,7 +16,7 @@ from kvfs.craq.member import (
 )
 from kvfs.craq.messages import (
     AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncQuery, ResyncState, TargetState,
-    UpdateAck, UpdateReq, VersionQuery, WireMessage, WriteReq,
+    UpdateAck, UpdateReq, VersionQuery, VersionReply, WireMessage, WriteReq, ChunkSummary,
 )
 from kvfs.craq.sim import MemEngine
 
@@ -436,3 +436,267 @@ def test_tick_looks_only_at_chunks_with_a_pending_version():
     chain.run(1, [resend])
     chain.deliver_all()
     assert not head._dirty and head.handle(Tick(2.0)) == []
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Edges that mutation testing (tests/craq_mutation.py) showed no test looked at; each names the rule it pins.
+
+
+def _syncing_member_with(committed: bytes, version: int) -> ChainMember:
+    """Target 2, syncing behind serving target 1, holding ``committed`` at ``version`` from before it left."""
+    meta = {CID: ChunkState(version, crc32c(committed), len(committed), {9: 1})}
+    member = ChainMember(2, 1, meta)
+    member.handle(Configure(config(4, (1, S), (2, Y)), 100.0))
+    return member
+
+
+def _full(version: int, data: bytes, resync: bool = True, requests: dict[int, int] | None = None) -> UpdateReq:
+    return UpdateReq(1, 4, CID, 1, version, 0, crc32c(data), full_replace=True, resync=resync,
+                     requests=requests if requests is not None else {9: 1}, data=data)
+
+
+def test_resync_overwrites_a_replica_diverged_under_the_same_version():
+    """"Version or CRC differs": a replica that came back with other bytes under the same version (a rollback,
+    then a different write took that version) takes the full copy; its own version is not trusted."""
+    member = _syncing_member_with(b"mine", 3)
+    (persist,) = member.handle(_full(3, b"theirs"))
+    assert isinstance(persist, PersistPending) and persist.force and persist.data == b"theirs"
+
+
+def test_resync_pulls_back_a_replica_that_is_ahead():
+    """A syncing replica ahead of its predecessor (an orphan lineage) is overwritten with the older version."""
+    member = _syncing_member_with(b"orphan", 5)
+    (persist,) = member.handle(_full(4, b"chain"))
+    assert isinstance(persist, PersistPending) and persist.force and persist.version == 4
+
+
+def test_a_full_replace_carries_and_stores_the_idempotency_table():
+    member = _syncing_member_with(b"old", 1)
+    (persist,) = member.handle(_full(2, b"new", resync=False, requests={5: 7, 9: 3}))
+    assert persist.requests == {5: 7, 9: 3} and not persist.force  # newer than committed: a plain pending write
+
+
+def test_a_resync_copy_older_than_a_live_write_is_acknowledged_not_refused():
+    """A live write reached the syncing target first; the late resync copy of an older version is done."""
+    member = _syncing_member_with(b"old", 1)
+    member.handle(_full(3, b"live", resync=False))
+    (commit, ack) = member.handle(Persisted(CID, 3, crc32c(b"live"), 4))
+    assert isinstance(commit, Commit)
+    (ack,) = member.handle(_full(2, b"copy"))
+    assert ack.msg.status is AckStatus.OK and member.chunk_versions(CID) == (3, None)
+
+
+def test_a_pending_replica_refuses_what_does_not_supersede_its_pending_version():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    member = chain.members[2]
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    member.handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    for update in (UpdateReq(1, 1, CID, 1, 2, 0, crc32c(b"b"), data=b"b"),  # not full: a gap
+                   UpdateReq(1, 1, CID, 1, 0, 0, crc32c(b"z"), full_replace=True, data=b"z")):  # full but older
+        (ack,) = member.handle(update)
+        assert ack.msg.status is AckStatus.VERSION_GAP
+    (persist,) = member.handle(UpdateReq(1, 1, CID, 1, 2, 0, crc32c(b"ab"), full_replace=True, data=b"ab"))
+    assert isinstance(persist, PersistPending) and persist.version == 2 and not persist.force
+
+
+def test_forwards_to_a_syncing_target_name_the_writer_and_resync_copies_name_nobody():
+    chain = Chain(config(1, (1, S), (2, Y)))
+    chain.run(1, chain.members[1].handle(write(b"a", request_id=4)))
+    (live,) = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    assert live.full_replace and (live.client_id, live.request_id, live.requests) == (9, 4, {9: 4})
+    chain.deliver_all()
+    copy = chain.members[1]._full_update(chain.members[1]._chunks[CID], 1, crc32c(b"a"), resync=True)
+    assert (copy.client_id, copy.request_id, copy.requests) == (0, 0, {9: 4})
+
+
+def test_a_write_in_flight_at_a_syncing_member_is_never_finished_by_it():
+    """Its persist completes after the member started syncing: another lineage, neither forwarded nor committed."""
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))  # persisting
+    member.handle(Configure(config(3, (1, S), (2, Y)), 100.0))
+    assert member.handle(Persisted(CID, 1, crc32c(b"a"), 1)) == []
+    assert member.chunk_versions(CID) == (0, None)
+
+
+def test_a_member_taken_out_of_the_chain_does_not_act_on_a_finished_persist():
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    member.handle(Configure(config(2, (1, S), (2, O)), 100.0))
+    assert member.handle(Persisted(CID, 1, crc32c(b"a"), 1)) == []
+
+
+def test_a_former_head_sends_its_waiting_and_queued_clients_to_the_new_head():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    head = chain.members[1]
+    chain.run(1, head.handle(write(b"a", request_id=1)))
+    chain.run(1, head.handle(write(b"b", client_id=8, request_id=1)))  # queued behind the first
+    chain.outbox.clear()
+    chain.reconfigure(config(2, (2, S), (1, S), (3, S)), 1)
+    assert sorted((r.client_id, r.errno) for r in chain.replies) == [(8, errno.ESTALE), (9, errno.ESTALE)]
+    chain.replies.clear()
+    chain.reconfigure(config(3, (1, S), (2, S), (3, S)))  # head again: nothing left to answer twice, or to start
+    chain.deliver_all()
+    assert chain.replies == [] and chain.members[3].chunk_versions(CID) == (1, None)
+
+
+def test_a_client_retry_at_a_new_head_joins_the_pending_write():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    _, update = chain.outbox.pop()
+    chain.run(2, chain.members[2].handle(update))
+    chain.outbox.clear()  # its forward to 3 is lost too, so the write is still pending when the retry comes
+    new = config(2, (2, S), (3, S), (1, O))
+    chain.reconfigure(new, 2, 3)
+    chain.run(2, chain.members[2].handle(write(b"a", version=2)))
+    chain.deliver_all()
+    assert [(r.errno, r.version) for r in chain.replies] == [(0, 1)]
+
+
+def test_the_head_queues_writes_of_several_clients_and_answers_each():
+    chain = Chain(config(1, (1, S), (2, S)))
+    for client in (7, 8, 9):
+        chain.run(1, chain.members[1].handle(write(b"w%d" % client, client_id=client)))
+    chain.deliver_all()
+    assert sorted((r.client_id, r.version) for r in chain.replies) == [(7, 1), (8, 2), (9, 3)]
+
+
+def test_a_failed_write_lets_the_queued_one_start():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.full = {2}
+    chain.run(1, chain.members[1].handle(write(b"a", client_id=7)))
+    chain.run(1, chain.members[1].handle(write(b"b", client_id=8)))  # queued
+    (update,) = [m for _, m in chain.outbox]
+    chain.outbox.clear()
+    chain.run(2, chain.members[2].handle(update))  # refused for lack of space
+    chain.full = set()
+    chain.deliver_all()
+    assert sorted((r.client_id, r.errno, r.version) for r in chain.replies) == [(7, errno.ENOSPC, 0), (8, 0, 1)]
+
+
+def test_a_write_of_several_crc_blocks_passes_the_member_checks():
+    data = bytes(range(256)) * 400  # 100 KiB: two 64 KiB CRC blocks, the second short
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(data)))
+    chain.deliver_all()
+    assert chain.replies[-1].errno == 0 and chain.engines[2].committed[CID].data == data
+
+
+def test_read_through_the_tail_answers():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    head, mid, tail = chain.members.values()
+    chain.run(1, head.handle(write(b"a")))
+    chain.run(2, mid.handle(chain.outbox.pop()[1]))  # pending (persisted) at 1 and 2
+    chain.outbox.clear()
+    first, second = mid.read_decision(CID, 1), mid.read_decision(CID, 1)
+    assert first.query.query_id != second.query.query_id  # drivers match answers to reads by this id
+    assert mid.answer_version_query(first.query).errno == errno.ESTALE  # only the read tail answers
+    assert mid.decide_with_tail(CID, VersionReply(1, 1, CID, 1, 1)) == ServeVersion(1)  # its pending, committed
+    assert mid.decide_with_tail(CID, VersionReply(1, 1, CID, 1, 0)) == ServeVersion(0)
+    assert mid.decide_with_tail(CID, VersionReply(1, 1, CID, 1, 2)).error.errno == errno.EAGAIN
+    assert mid.decide_with_tail(CID, VersionReply(1, 1, CID, 1, errno=errno.EAGAIN)).error.errno == errno.EAGAIN
+    assert mid.decide_with_tail(CID, VersionReply(1, 2, CID, 1, 1)).error.errno == errno.ESTALE
+
+
+def test_an_error_reply_names_no_version():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a", version=7)))
+    assert (chain.replies[-1].errno, chain.replies[-1].version) == (errno.ESTALE, 0)
+
+
+def test_configs_older_than_or_equal_to_the_current_one_change_nothing():
+    chain = Chain(config(2, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a", version=2)))
+    assert chain.outbox and chain.members[1].chunk_versions(CID) == (0, 1)
+    chain.outbox.clear()
+    head = chain.members[1]
+    assert head.handle(Configure(config(2, (1, S), (2, S)), 100.0)) == []  # every heartbeat: no re-drive
+    assert head.handle(Configure(config(1, (2, S), (1, S)), 100.0)) == [] and head.chain_version == 2
+    with pytest.raises(ProtocolError):
+        head.handle(Configure(ChainConfig(5, 3, (ChainTarget(1, 1, S),)), 100.0))
+
+
+def test_a_fresh_member_has_nothing_to_time_and_no_resync():
+    member = ChainMember(1, 1)
+    assert not member.has_timers() and member.resync_progress() is None
+
+
+def test_retransmissions_wait_for_their_interval():
+    chain = Chain(config(1, (1, S), (2, S)))
+    head = chain.members[1]
+    head.handle(Tick(5.0))
+    chain.run(1, head.handle(write(b"a")))
+    chain.outbox.clear()
+    assert head.handle(Tick(5.01)) == []  # sent at 5.0: not due yet
+    assert len(head.handle(Tick(5.06))) == 1
+
+
+def test_a_coarse_retransmit_scan_looks_only_that_often():
+    head = ChainMember(1, 1, retransmit_scan_every=1.0)
+    head.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    head.handle(Tick(2.0))
+    head.handle(write(b"a"))
+    head.handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    assert head.handle(Tick(2.5)) == []  # due, but the last scan was at 2.0
+    assert len(head.handle(Tick(3.0))) == 1
+
+
+def test_resync_is_resent_only_when_due_and_a_duplicate_answer_is_ignored():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.deliver_all()
+    pred = chain.members[1]
+    pred.handle(Tick(5.0))
+    query = [Send(2, ResyncQuery(1, 2, 1))]
+    assert pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0)) == query
+    assert pred.handle(Tick(5.01)) == []  # the query is not due again yet
+    assert pred.handle(Tick(5.06)) == query  # lost: asked again
+    assert pred.handle(Tick(5.07)) == []
+    state = ResyncState(1, 2, 2, ())
+    (copy,) = pred.handle(state)  # the successor lacks the chunk: one copy
+    assert isinstance(copy, SendChunk) and copy.msg.resync
+    assert pred.handle(state) == []  # a duplicate answer (to a retransmitted query)
+    assert pred.handle(Tick(5.115)) == []  # the copy went at 5.07, when the answer came
+    (again,) = pred.handle(Tick(5.13))  # the copy was lost: sent again
+    assert isinstance(again, SendChunk) and again.msg.version == 1
+
+
+def test_a_dirty_chunk_counts_as_differing_in_a_resync():
+    """Even when the successor holds the same committed version: the pending write must reach it first."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.deliver_all()
+    pred = chain.members[1]
+    chain.run(1, pred.handle(write(b"b", request_id=2)))
+    chain.outbox.clear()
+    pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0))
+    pred.handle(ResyncState(1, 2, 2, (ChunkSummary(CID, 1, crc32c(b"a")),)))
+    assert pred.resync_progress() == (2, 1, 1)
+
+
+@pytest.mark.parametrize("event", [Persisted(CID, 2, 0, 0), PersistFailed(CID, 2, errno.EIO, "io")])
+def test_a_completion_for_another_version_is_a_protocol_error(event):
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    with pytest.raises(ProtocolError):
+        member.handle(event)
+
+
+def test_a_resync_answer_from_a_stranger_is_a_protocol_error():
+    chain = Chain(config(1, (1, S), (2, S), (3, S)))
+    with pytest.raises(ProtocolError):
+        chain.members[1].handle(ResyncState(1, 1, 2, ()))  # no resync running
+    chain.members[2].handle(Configure(config(2, (1, S), (2, S), (3, Y)), 100.0))
+    with pytest.raises(ProtocolError):
+        chain.members[2].handle(ResyncState(1, 2, 1, ()))  # from its predecessor, not the syncing target
+
+
+def test_a_failed_persist_at_a_member_taken_out_of_the_chain_is_dropped_quietly():
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    member.handle(UpdateReq(1, 1, CID, 1, 1, 0, crc32c(b"a"), data=b"a"))
+    member.handle(Configure(config(2, (1, S), (3, S)), 100.0))  # replaced: no longer in the chain at all
+    assert member.handle(PersistFailed(CID, 1, errno.EIO, "io")) == []
+    assert member.chunk_versions(CID) == (0, None)

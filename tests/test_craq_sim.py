@@ -1,13 +1,15 @@
 """Whole-cluster deterministic simulation: every seed's history must be linearizable per chunk.
 
 Reproduce a failing seed:  KVFS_SIM_SEED=123 .venv/bin/python -m pytest tests/test_craq_sim.py -k "default-seed"
-Run more seeds:            KVFS_SIM_SEEDS=5000 (seeds 0..4999) or KVFS_SIM_SEEDS=5000:6000
+Run more seeds:            KVFS_SIM_SEEDS=5000 (seeds 0..4999) or KVFS_SIM_SEEDS=5000:6000 (or tests/sim_nightly.py)
 Other timing:              KVFS_SIM_SCAN_EVERY=0.025 (members look for unacknowledged updates that often, not
                            every tick: delayed retransmissions, which must never cost safety)
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
 import pytest
@@ -24,19 +26,16 @@ def _seeds() -> list[int]:
     return list(range(int(start or 0), int(stop)))
 
 
-# "harsh": up to every node down at once (chains lose all serving targets: lastsrv), more loss and reordering
 _SCAN = float(os.environ.get("KVFS_SIM_SCAN_EVERY", "0"))
-PROFILES = {
-    "default": sim.SimConfig(retransmit_scan_every=_SCAN),
-    "harsh": sim.SimConfig(max_down=5, drop=0.1, slow=0.1, crash_every=0.15, retransmit_scan_every=_SCAN),
-}
+PROFILES = {name: dataclasses.replace(cfg, retransmit_scan_every=_SCAN) for name, cfg in sim.PROFILES.items()}
 
 
 def _cases() -> list:
-    """Every seed in the default profile; every third (or the one asked for) in the harsh one."""
+    """Every seed in the default profile; every third (or the one asked for) in the harsh and liveness ones."""
     seeds = _seeds()
-    harsh = seeds if len(seeds) == 1 else seeds[::3]
-    return [pytest.param(p, s, id=f"{p}-seed={s}") for p, ss in (("default", seeds), ("harsh", harsh)) for s in ss]
+    some = seeds if len(seeds) == 1 else seeds[::3]
+    return [pytest.param(p, s, id=f"{p}-seed={s}")
+            for p, ss in (("default", seeds), ("harsh", some), ("liveness", some)) for s in ss]
 
 
 @pytest.mark.parametrize(("profile", "seed"), _cases())
@@ -56,6 +55,7 @@ REGRESSIONS = [
 
 @pytest.mark.parametrize(("scan_every", "seed"), REGRESSIONS)
 def test_regression_seed(scan_every: float, seed: int):
+    """In the "classic" fault mix these seeds were found with."""
     problems = sim.check(sim.run(seed, sim.SimConfig(retransmit_scan_every=scan_every)))
     assert not problems, f"KVFS_SIM_SCAN_EVERY={scan_every} KVFS_SIM_SEED={seed} fails:\n" + "\n".join(problems)
 
@@ -77,3 +77,41 @@ def test_simulation_catches_a_dirty_read_bug(monkeypatch):
 
     monkeypatch.setattr(ChainMember, "read_decision", no_ask_tail)
     assert any(sim.check(sim.run(seed)) for seed in range(60))
+
+
+def test_the_new_faults_happen_and_returning_replicas_are_behind():
+    """Rollbacks, resets, slow and stalled disks and lost nodes do happen, and resync finds replicas behind."""
+    seen = sum((sim.run(seed, sim.PROFILES["default"]).faults for seed in range(30)), collections.Counter())
+    for what in ("rollbacks", "versions rolled back", "connection resets", "disk stalls", "slow persists",
+                 "nodes lost", "resync: replica behind", "resync copies"):
+        assert seen[what] > 0, f"no {what} in 30 seeds: {seen}"
+
+
+def test_a_lost_node_leaves_its_chains_serving_without_it():
+    result = sim.run(0, sim.PROFILES["liveness"])
+    assert len(result.lost_targets) >= 1 and not sim.check(result)
+    for line in result.final_states:
+        for entry in line.split(": ", 1)[1].split(", "):
+            target, state = entry.split(":")
+            assert (state == "offline") == (int(target) in result.lost_targets), result.final_states
+    assert any(t > 0 for t in result.calm_since.values())  # the liveness window starts at the reconfiguration
+
+
+def test_liveness_check_catches_a_write_stuck_until_the_lost_node_returns(monkeypatch):
+    """A member that no longer re-drives its pending writes when the chain is reconfigured leaves a write that
+    had reached the lost node waiting for it forever: safety holds, liveness does not."""
+    correct = ChainMember._configure
+
+    def forget_pending(self, event):
+        pending = {cid: c.pending for cid, c in self._chunks.items()}
+        for c in self._chunks.values():
+            c._pending = None
+        effects = correct(self, event)
+        for cid, p in pending.items():
+            self._chunks[cid]._pending = p
+        return effects
+
+    monkeypatch.setattr(ChainMember, "_configure", forget_pending)
+    problems = [p for seed in range(10) for p in sim.check(sim.run(seed, sim.PROFILES["liveness"]))]
+    assert any("took over" in p for p in problems)
+    assert not any("not linearizable" in p for p in problems)
