@@ -4,7 +4,9 @@
 
 The server runs in its own process (as it would in a cluster) so client and server each get a core.
 Figures:
-  * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection);
+  * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection), beside
+    a bare trio ping-pong (one byte each way over trio sockets between the same two processes) as the ceiling an
+    RPC core on trio can approach;
   * new connections/s: connect, authenticate and make one small call, one at a time;
   * bulk GB/s for 1, 4 and 16 MiB data sections, client -> server (write-like) and server -> client
     (read-like, received with recv_into straight into a reused buffer), 4 in flight;
@@ -63,6 +65,35 @@ def rpc_server(port_queue: mp.Queue) -> None:
             port_queue.put(port)
 
     trio.run(main)
+
+
+def trio_echo_server(port_queue: mp.Queue) -> None:
+    """Echo every byte back: the bare trio side of the ping-pong ceiling."""
+
+    async def echo(stream: trio.SocketStream) -> None:
+        stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        async for chunk in stream:
+            await stream.send_all(chunk)
+
+    async def main():
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port_queue.put(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(echo, listeners)
+
+    trio.run(main)
+
+
+async def trio_ping_pong(port: int, seconds: float) -> float:
+    """Round trips/s of one byte over trio sockets, one in flight: what trio itself costs per round trip."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    async with stream:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            await stream.send_all(b"p")
+            await stream.receive_some(1)
+            count += 1
+        return count / (time.perf_counter() - start)
 
 
 def plain_server(port_queue: mp.Queue) -> None:
@@ -146,14 +177,15 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    servers = [ctx.Process(target=rpc_server, args=(queue,), daemon=True)]
-    servers[0].start()
-    rpc_port = queue.get(timeout=30)
-    servers.append(ctx.Process(target=plain_server, args=(queue,), daemon=True))
-    servers[1].start()
-    plain_port = queue.get(timeout=30)
+    servers, ports = [], []
+    for target in (rpc_server, plain_server, trio_echo_server):
+        servers.append(ctx.Process(target=target, args=(queue,), daemon=True))
+        servers[-1].start()
+        ports.append(queue.get(timeout=30))
+    rpc_port, plain_port, echo_port = ports
     try:
         figures = trio.run(rpc_figures, f"127.0.0.1:{rpc_port}", args.seconds)
+        bare_trio = trio.run(trio_ping_pong, echo_port, args.seconds)
         plain = {size: plain_pump(plain_port, size, args.seconds) / 1e9 for size in SIZES}
     finally:
         for proc in servers:
@@ -161,7 +193,9 @@ def main() -> None:
     print(f"{'figure':<28}{'kvfs rpc':>12}{'plain socket':>14}{'ratio':>8}")
     for name, value in figures.items():
         size_mib = name.split()[1] if name.startswith(("put", "get")) else None
-        if size_mib is None:
+        if name == "ping-pong calls/s":
+            print(f"{name:<28}{value:>12,.0f}{bare_trio:>14,.0f}{value / bare_trio:>8.2f}  (bare trio ping-pong)")
+        elif size_mib is None:
             print(f"{name:<28}{value:>12,.0f}")
         else:
             base = plain[int(size_mib) << 20]

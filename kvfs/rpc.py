@@ -120,6 +120,11 @@ class FrameReader:
         self._end = 0
         self._reads = 0
 
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet consumed: more frames may be waiting right behind this one."""
+        return self._end - self._start
+
     async def _recv_into(self, dst: memoryview) -> int:
         self._reads += 1
         if self._reads % _YIELD_EVERY == 0:
@@ -202,7 +207,9 @@ class _Writer:
 
     A frame that finds nothing queued is written by its caller at once, with no task switch or scheduler pass;
     what the socket does not take is queued, and the writer task sends the queue as the socket drains, many
-    frames per ``writev`` (small calls in flight only pay off when their frames batch). Frames never interleave.
+    frames per ``writev`` (small calls in flight only pay off when their frames batch). A caller that knows more
+    frames follow right behind its own (``batch``) queues it instead of writing it: a write per frame was most of
+    what a connection with many small calls in flight spent. Frames never interleave.
     ``put`` returns once its frame is written or queued, except that a frame holding caller-owned buffers
     (anything but ``bytes``), or one that finds more than ``_QUEUE_LIMIT`` bytes queued, waits until its bytes
     are in the kernel: callers may reuse their buffers, and a peer that stops reading pushes back.
@@ -227,15 +234,17 @@ class _Writer:
         """Nothing more will be sent: the writer task has ended."""
         return self._stopped
 
-    async def put(self, buffers: list[Buffer], *, seal: bool = True) -> None:
+    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False) -> None:
         """Send one frame (from :func:`kvfs.wire.encode_frame`) and its data buffers; ``seal=False`` only for the
-        one frame a peer reads untagged (an authentication refusal)."""
+        one frame a peer reads untagged (an authentication refusal). ``batch``: more frames are on their way
+        (other calls in flight, more requests already read), so leave this one to the writer task, which sends
+        all that queued up by its next pass in one ``writev``."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
         if seal and self.signer is not None:
             buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if not self._queue:
+        if not self._queue and not batch:
             try:
                 _write_available(self._fd, views)
             except OSError as exc:  # the writer task raises it too, which ends the connection
@@ -592,9 +601,10 @@ class Connection:
             # no slab free, or the server could not move the data: this call goes over TCP
         frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         pending = _Pending(method, into)
+        batch = bool(self._pending)  # other calls in flight: their callers are likely sending too
         self._pending[request_id] = pending
         try:
-            await self._writer.put([frame, *buffers])
+            await self._writer.put([frame, *buffers], batch=batch)
             await pending.done.wait()
         finally:
             self._pending.pop(request_id, None)
@@ -1094,7 +1104,8 @@ class RpcServer(TransportChoice):
                 await limiter.acquire_on_behalf_of(header.request_id)
             args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway)
             if buffers is None and (failure is not None or header.method in self._inline):
-                await self._dispatch(*args)
+                # more requests already read: their replies join this one in the writer's next writev
+                await self._dispatch(*args, batch=reader.buffered > 0)
             else:
                 nursery.start_soon(self._dispatch, *args)
 
@@ -1111,6 +1122,7 @@ class RpcServer(TransportChoice):
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
+        batch: bool = False,
     ) -> None:
         ctx: CallContext | None = None
         delivered = False  # the reply is in the kernel, or there is none to send
@@ -1164,7 +1176,7 @@ class RpcServer(TransportChoice):
                 body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
                 frames = [wire.encode_frame(FrameType.ERROR, request_id, 0, body)]
             try:
-                await writer.put(frames)
+                await writer.put(frames, batch=batch)
             except ConnectionLost:
                 pass
             delivered = True
