@@ -1,6 +1,6 @@
 """RPC benchmark: small-call rates and bulk throughput, beside a plain-socket pump in the same run.
 
-    .venv/bin/python benchmarks/rpc_bench.py [--seconds 2]
+    .venv/bin/python benchmarks/rpc_bench.py [--seconds 2] [--cpu-per-call]
 
 The server runs in its own process (as it would in a cluster) so client and server each get a core.
 Figures:
@@ -11,12 +11,16 @@ Figures:
   * bulk GB/s for 1, 4 and 16 MiB data sections, client -> server (write-like) and server -> client
     (read-like, received with recv_into straight into a reused buffer), 4 in flight;
   * the same sizes through a plain socket pump (sendall / recv_into a reused buffer, 1-byte ack) as the ceiling.
+
+``--cpu-per-call`` measures only small calls (64 in flight, then 1) and prints the CPU each costs the client and
+the server process: on a machine shared with other work, rates swing with the load and CPU per call much less.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import time
 
@@ -171,12 +175,41 @@ async def rpc_figures(address: str, seconds: float) -> dict[str, float]:
     return out
 
 
+def process_cpu(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_per_call(address: str, seconds: float, server_pid: int) -> None:
+    async with RpcClient(TOKEN, limits=LIMITS) as client:
+        for _ in range(200):
+            await client.call(address, PING, Req())
+        for in_flight in (64, 1):
+            client_cpu, server_cpu = time.process_time(), process_cpu(server_pid)
+            calls_per_s = await rate(seconds, in_flight, lambda: client.call(address, PING, Req()))
+            calls = calls_per_s * seconds
+            client_us = (time.process_time() - client_cpu) / calls * 1e6
+            server_us = (process_cpu(server_pid) - server_cpu) / calls * 1e6
+            print(f"x{in_flight:<3} in flight {calls_per_s:>9,.0f} calls/s   CPU per call: client {client_us:5.1f} us,"
+                  f" server {server_us:5.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per figure")
+    parser.add_argument("--cpu-per-call", action="store_true", help="only small calls, with their CPU per call")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    if args.cpu_per_call:
+        server = ctx.Process(target=rpc_server, args=(queue,), daemon=True)
+        server.start()
+        try:
+            trio.run(cpu_per_call, f"127.0.0.1:{queue.get(timeout=30)}", args.seconds, server.pid)
+        finally:
+            server.terminate()
+        return
     servers, ports = [], []
     for target in (rpc_server, plain_server, trio_echo_server):
         servers.append(ctx.Process(target=target, args=(queue,), daemon=True))
