@@ -115,7 +115,7 @@ if [ "$PROFILE" = spy ]; then
     for f in "$OUT"/spy-*.txt; do
         python3 - "$f" > "${f%.txt}.top" <<'PYTHON'
 import collections, sys
-IDLE = ("Condition.wait", "get_events", "_thread_cache.py:211", "Event.wait (threading", "select (")
+IDLE = ("Condition.wait", "get_events", "_thread_cache.py:211", "Workers._work", "Event.wait (threading", "select (")
 own, within, total = collections.Counter(), collections.Counter(), 0
 for line in open(sys.argv[1]):
     stack, _, n = line.rstrip().rpartition(" ")
