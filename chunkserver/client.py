@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import ipaddress
 import itertools
 import logging
 import random
@@ -54,6 +55,13 @@ def split_range(offset: int, length: int, chunk_size: int) -> list[tuple[int, in
     return pieces
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.rsplit(":", 1)[0].strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class StorageClient:
     """Reads and writes files' chunks on the chunk servers; one instance per process is plenty."""
 
@@ -79,6 +87,7 @@ class StorageClient:
         self._unflushed: set[int] = set()  # chains this client's writes reached since its last flush
         self._flush_lock = trio.Lock()
         self._rng = random.Random()
+        self._not_local: set[str] = set()  # chunk servers that refused chunk.locate: on another host
 
     # ---------------------------------------------------------------------------------- routing
 
@@ -210,6 +219,29 @@ class StorageClient:
             into[result.length :] = bytes(len(into) - result.length)  # past the chunk's end: a hole
 
         await self._retrying(f"read of chunk {index} of inode {ino}", attempt)
+
+    async def locate(self, ino: int, layout: LayoutLike, index: int, within: int, length: int,
+                     boot_id: str) -> p.ChunkLocation | None:
+        """Where a replica on this host keeps the version a read of this chunk range would get, pinned for a
+        short-circuit read (``chunk.locate``); None where no serving replica is here or the server refuses (the
+        caller then reads over the network). Servers that refused once as not local are not asked again."""
+        chain = await self._chain(layout, ino, index)
+        routing = await self.routing()
+        serving = [t for t in chain.targets if t.state is TargetState.SERVING]
+        addresses = [routing.addresses.get(t.node_id) for t in serving]
+        local = [a for a in addresses if a is not None and a not in self._not_local]
+        local.sort(key=lambda a: not _loopback(a))
+        request = p.LocateChunk(chain.chain_id, chain.chain_version, ChunkId(ino, index), within, length, boot_id)
+        for address in local:
+            try:
+                return await self.rpc.call(address, p.LOCATE, request, timeout=self._call_timeout)
+            except KvfsError as exc:
+                if exc.errno in (errno.EPERM, errno.ENOSYS):  # another host, or a server without chunk.locate
+                    self._not_local.add(address)
+                    continue
+                log.debug("locate of chunk %d of inode %d at %s: %s", index, ino, address, exc.message)
+                return None
+        return None
 
     # ------------------------------------------------------------------------- whole-file operations
 

@@ -14,8 +14,9 @@ On-disk format (under ``root``)::
     data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
 
-A version of length L lives in one slot of the smallest class >= max(L, 64 KiB). Slot files are
-preallocated with ``posix_fallocate`` and slots are reused, so a write never creates a file. Table
+A version of length L lives in one slot of the smallest class >= max(L, 64 KiB) (of a larger one where that
+class has no free slot and its file may not grow). Slot files are preallocated with ``posix_fallocate`` and slots
+are reused, so a write never creates a file; they grow only while the file system keeps a reserve free. Table
 ``versions`` has one row per committed or pending version: (inode, idx, pending, version, length, crc,
 block_crcs, cls, slot). The free list is *not* stored: at open every slot not named by a row is free, so a
 crash can leak nothing.
@@ -109,6 +110,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import threading
@@ -126,7 +128,7 @@ from kvfs.chunkserver import rows
 from kvfs.chunkserver.held import HeldWrites
 from kvfs.chunkserver.slots import SlotFiles, enospc
 from kvfs.craq.messages import ChunkId
-from kvfs.crc import BLOCK, block_crcs, fold_crc
+from kvfs.crc import BLOCK, bad_block, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 log = logging.getLogger("kvfs.chunkserver.engine")
@@ -147,6 +149,19 @@ class Lent(NamedTuple):
     """Stored bytes lent without a copy (:meth:`ChunkEngine.lend`); ``release`` ends the loan."""
 
     data: memoryview
+    release: Callable[[], None]
+
+
+class Location(NamedTuple):
+    """A pinned version's place in its slot file (:meth:`ChunkEngine.pin_location`): ``offset`` is the slot's
+    start in ``path``; ``block_crcs`` are the CRC32Cs of the version's blocks from ``first_block`` on."""
+
+    path: Path
+    offset: int
+    length: int
+    version: int
+    first_block: int
+    block_crcs: list[int]
     release: Callable[[], None]
 
 
@@ -214,12 +229,14 @@ class ChunkEngine:
 
     def __init__(
         self, root: Path, *, fsync: bool = True, write_through: bool = True, capacity_bytes: int | None = None,
-        direct_io: bool = True, hold_bytes: int = 0,
+        direct_io: bool = True, hold_bytes: int = 0, reserve_bytes: int | None = None,
     ) -> None:
         """``fsync=False`` never flushes (tests, scratch space). ``write_through=False`` acknowledges writes
         from the page cache and makes them durable at :meth:`flush` (see "Write-back" above). ``direct_io=False``
         writes slot data through the page cache too (see "Direct I/O"). ``hold_bytes``: with write-back, up to
-        this many bytes of whole-version writes wait in memory for a flush (see "Held writes")."""
+        this many bytes of whole-version writes wait in memory for a flush (see "Held writes"). ``reserve_bytes``:
+        how much of the file system new chunk data leaves free (None: :func:`~kvfs.chunkserver.slots.default_reserve`);
+        past it writes fail with ENOSPC."""
         self.root = Path(root)
         self._fsync = fsync
         self._write_through = write_through
@@ -244,7 +261,8 @@ class ChunkEngine:
             os.close(self._lockfd)
             raise KvfsError(f"target {self.root} is open in another engine", errno.EBUSY) from None
         self._rows = rows.RowStore(self.root, fsync=fsync)
-        self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock)
+        self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock,
+                                reserve_bytes=reserve_bytes)
         self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free)
         self._drop_torn_versions()
         self._load()
@@ -390,16 +408,9 @@ class ChunkEngine:
             raise BlockingIOError(errno.EAGAIN, "partly outside the page cache")
         if got != hi - lo:
             raise ChecksumMismatch(f"{self._where(v)}: short read ({got} of {hi - lo} bytes)")
-        segments = ((lo, head), (offset, out), (end, tail))
-        for b in range(lo // BLOCK, _nblocks(hi)):
-            blo, bhi = b * BLOCK, min(b * BLOCK + BLOCK, v.length)
-            crc = 0
-            for start, buf in segments:
-                s, t = max(blo, start), min(bhi, start + len(buf))
-                if s < t:
-                    crc = crc32c(buf[s - start : t - start], value=crc)
-            if crc != v.blocks[b]:
-                raise ChecksumMismatch(f"{self._where(v)} block {b}: stored data is corrupt")
+        bad = bad_block([(lo, head), (offset, out), (end, tail)], lo, hi, v.blocks)
+        if bad is not None:
+            raise ChecksumMismatch(f"{self._where(v)} block {bad}: stored data is corrupt")
 
     def _copy(self, old: _Version, lo: int, hi: int, cls: int, dst_off: int) -> None:
         """Copy unchanged bytes of the old version in the kernel; their block CRCs carry over, so
@@ -887,14 +898,28 @@ class ChunkEngine:
         The bytes stay there only until the chunk's next commit or removal: read them, then check
         that ``meta(chunk_id).version`` is still ``version`` (else the slot may hold other data). A held version is
         written out first, so this may wait for the disk."""
-        with self._lock:
-            entry = self._entry(chunk_id)
-            if entry is None or entry.committed is None:
+        try:
+            loc = self.pin_location(chunk_id, None, 0, 0)
+        except KvfsError as exc:
+            if exc.errno == errno.ENOENT:
                 return None
-            v = entry.committed
-            self._pin(v)
+            raise
+        loc.release()
+        return loc.path, loc.offset, loc.length, loc.version
+
+    def pin_location(self, chunk_id: ChunkId, version: int | None, offset: int, length: int) -> Location:
+        """Where ``version`` (the committed one if None) lies, with the CRCs of the blocks that bytes
+        [offset, offset+length) touch, kept in place (its slot not reused) until ``release()``: a short-circuit
+        reader on this host reads the slot file itself while the pin holds (chunkserver/README.md, "Short-circuit
+        reads"). A held version is written out first, so this may wait for the disk. Raises ENOENT as :meth:`read`."""
+        v, _ = self._pin_version(chunk_id, version)
         try:
             self._settle(v)
-        finally:
+            n = self._readable(chunk_id, v, offset, length)
+        except BaseException:
             self._release(v)
-        return self._slots.files[v.cls].path, v.slot << v.cls, v.length, v.version
+            raise
+        first = offset // BLOCK
+        blocks = list(v.blocks[first : _nblocks(offset + n)]) if n else []
+        return Location(self._slots.files[v.cls].path, v.slot << v.cls, v.length, v.version, first, blocks,
+                        functools.partial(self._release, v))

@@ -112,6 +112,34 @@ class FlushTargets(msgspec.Struct, array_like=True):
     target_ids: list[int]
 
 
+class LocateChunk(msgspec.Struct, array_like=True):
+    """Client on this host -> chunk server: where does the readable version of this chunk range lie on your disk?
+    ``boot_id`` is the client's (``/proc/sys/kernel/random/boot_id``): only a client that shares the server's
+    kernel may read its files (chunkserver/README.md, "Short-circuit reads")."""
+
+    chain_id: int
+    chain_version: int
+    chunk_id: ChunkId
+    offset: int
+    length: int
+    boot_id: str
+
+
+class ChunkLocation(msgspec.Struct, array_like=True):
+    """The version a read at this replica would serve, pinned in place until ``deadline_ns``
+    (``CLOCK_MONOTONIC``, shared by every process of one host): bytes ``[file_offset, file_offset + length)`` of
+    ``path``. ``block_crcs`` are the CRC32Cs of the 64 KiB blocks the asked range touches, from ``first_block`` on.
+    ``version`` 0: the chunk has no data here (a hole, read as zeros)."""
+
+    version: int
+    path: str = ""
+    file_offset: int = 0
+    length: int = 0
+    first_block: int = 0
+    block_crcs: list[int] = []
+    deadline_ns: int = 0
+
+
 class Space(msgspec.Struct, array_like=True):
     capacity: int
     used: int
@@ -129,3 +157,4 @@ SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
 CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)
 REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempotent=True)
 FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)
+LOCATE = Method(311, "chunk.locate", LocateChunk, ChunkLocation, idempotent=True)

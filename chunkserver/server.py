@@ -17,6 +17,12 @@ from kvfs.rpc import RpcClient, RpcServer
 from kvfs.service import run_service, serve_rpc, setup_logging
 from kvfs.transport import shm
 
+async def _give_back_idle_buffers() -> None:
+    """A chunk server's buffers are idle once writes and reads stop and a flush has written out what it held: give
+    their pages back within seconds, not the mount's half minute (a chunk server's pools are the host's largest)."""
+    await shm.give_back_idle(every=1.0, idle=2.0)
+
+
 def serve_chunkserver(
     config: ClusterConfig,
     *,
@@ -36,9 +42,8 @@ def serve_chunkserver(
     transport = config.resolved_transport()  # forced rdma without a device fails here, before anything starts
     shared_memory = config.resolved_shared_memory()
     hold = config.chunkserver.resolved_hold_bytes()
-    # held writes keep their received buffers: the pools make room for them beside the requests in flight
-    RECEIVED.capacity += hold
-    shm.SHARED.capacity += hold
+    shm.SHARED.capacity, RECEIVED.capacity = config.chunkserver.pool_capacities(
+        hold, shm.SHARED.capacity, RECEIVED.capacity)
 
     async def main() -> None:
         with contextlib.ExitStack() as stack:
@@ -47,7 +52,8 @@ def serve_chunkserver(
                     ChunkEngine(Path(path), fsync=config.chunkserver.fsync,
                                 write_through=config.chunkserver.write_through,
                                 capacity_bytes=config.chunkserver.capacity_bytes,
-                                direct_io=config.chunkserver.direct_io, hold_bytes=hold // len(targets))
+                                direct_io=config.chunkserver.direct_io, hold_bytes=hold // len(targets),
+                                reserve_bytes=config.chunkserver.reserve_bytes)
                 )
                 for i, path in enumerate(targets)
             }
@@ -62,7 +68,7 @@ def serve_chunkserver(
                 )
                 chunkserver.register_handlers(server)
                 await serve_rpc(
-                    server, listen, http=http, background=(chunkserver.run, shm.give_back_idle),
+                    server, listen, http=http, background=(chunkserver.run, _give_back_idle_buffers),
                     health=lambda: {"ok": chunkserver.registered.is_set(), "targets": sorted(engines)},
                 )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
 from kvfs.pool import RECEIVED
 from kvfs.rpc import CallContext, RpcClient, RpcServer
+from kvfs.transport import shm
 from kvfs.wire import Empty
 
 log = logging.getLogger("kvfs.chunkserver")
@@ -59,11 +61,18 @@ log = logging.getLogger("kvfs.chunkserver")
 RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
 )
+LOCATED = prometheus_client.Counter(
+    "kvfs_chunk_located", "Chunk versions located and pinned for short-circuit readers on this host"
+)
 FLUSH_SECONDS = prometheus_client.Histogram(
     "kvfs_chunk_sync_seconds", "Time to make a target's acknowledged writes durable", ["reason"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
 _IDLE_TICK = 0.25  # seconds between ticks while no member has anything to time (see ChunkServer._tick_loop)
+#: Seconds a located version stays pinned for its short-circuit reader, which must have read it by then
+#: (chunkserver/README.md, "Short-circuit reads"); a slot it holds is reused only after that.
+LOCATE_LEASE = 5.0
+_LEASE_SLACK = 0.1  # released this long after the deadline the client checks, so a read at the deadline is covered
 _LEND_FROM = 256 << 10  # reads from this size are loans, taken in a worker thread (chunkserver/README.md, "Reads");
 # for smaller ones a copy from the page cache, inline when cached, costs less than the thread hop
 
@@ -88,6 +97,16 @@ def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkState]:
             *((pending.version, pending.crc, pending.length) if pending else ()),
         )
     return chunks
+
+
+def _hole_or_moved_on(exc: KvfsError, engine: ChunkEngine, chunk_id: ChunkId, version: int) -> None:
+    """After the engine failed to pin the version a read chose: return if the chunk was removed meanwhile
+    (truncated or garbage-collected: a hole), raise NotCommitted (retry) if a newer version replaced it, and
+    ``exc`` itself for anything but ENOENT."""
+    if exc.errno != errno.ENOENT:
+        raise exc
+    if engine.versions(chunk_id) != (None, None):
+        raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
 
 
 @dataclass
@@ -155,6 +174,7 @@ class ChunkServer:
             (p.SPACE, self._on_space),
             (p.CHUNK_STAT, self._on_chunk_stat),
             (p.FLUSH, self._on_flush),
+            (p.LOCATE, self._on_locate),
         ):
             server.register(method, handler)
         # In the connection's reader task, not a task each (two per write and replica): they never wait, they
@@ -447,26 +467,74 @@ class ChunkServer:
     async def _read_one(self, r: p.ReadRange, ctx: CallContext) -> tuple[int, memoryview | bytes]:
         if not 0 <= r.offset < p.MAX_CHUNK_SIZE or not 0 <= r.length <= p.MAX_CHUNK_SIZE:
             raise KvfsError(f"read range {r.offset}+{r.length} outside any chunk", errno.EINVAL)
-        member = self._member_for_chain(r.chain_id)
-        self._clock(member)
-        decision = member.read_decision(r.chunk_id, r.chain_version)
-        if isinstance(decision, AskTail):
-            address = self._address_of_target(decision.target)
-            reply = await self.rpc.call(address, p.VERSION_QUERY, decision.query, timeout=5)
-            decision = member.decide_with_tail(r.chunk_id, reply)
-        if isinstance(decision, Retry):
-            raise decision.error
-        assert isinstance(decision, ServeVersion)
-        if decision.version == 0:
+        member, version = await self._readable_version(r.chain_id, r.chain_version, r.chunk_id)
+        if version == 0:
             return 0, b""
         engine = self.engines[member.target_id]
         try:
-            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
+            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, version, ctx)
         except ChecksumMismatch as exc:
             log.error("target %s chunk %s: %s; repairing from a peer", member.target_id, r.chunk_id, exc.message)
             await self._repair(member, r.chunk_id)
-            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, decision.version, ctx)
-        return decision.version, data
+            data = await self._engine_data(engine, r.chunk_id, r.offset, r.length, version, ctx)
+        return version, data
+
+    async def _readable_version(self, chain_id: int, chain_version: int, chunk_id: ChunkId) -> tuple[ChainMember, int]:
+        """This replica's member of the chain and the version a read may serve now (CRAQ: the clean committed one,
+        or the one the tail says is committed); raises what the client should retry elsewhere."""
+        member = self._member_for_chain(chain_id)
+        self._clock(member)
+        decision = member.read_decision(chunk_id, chain_version)
+        if isinstance(decision, AskTail):
+            address = self._address_of_target(decision.target)
+            reply = await self.rpc.call(address, p.VERSION_QUERY, decision.query, timeout=5)
+            decision = member.decide_with_tail(chunk_id, reply)
+        if isinstance(decision, Retry):
+            raise decision.error
+        assert isinstance(decision, ServeVersion)
+        return member, decision.version
+
+    async def _on_locate(self, req: p.LocateChunk, data: Any, ctx: CallContext) -> p.ChunkLocation:
+        """Short-circuit reads: tell a client on this host where the version a read would serve lies, and keep
+        it there (pinned) for ``LOCATE_LEASE`` seconds while the client reads the file itself. The version is
+        chosen exactly as for a read; a client elsewhere gets EPERM and reads over the network."""
+        if not self._same_host(ctx.peer, req.boot_id):
+            raise KvfsError(f"short-circuit reads are for clients on this host; {ctx.peer} is not", errno.EPERM)
+        if not 0 <= req.offset < p.MAX_CHUNK_SIZE or not 0 <= req.length <= p.MAX_CHUNK_SIZE:
+            raise KvfsError(f"locate range {req.offset}+{req.length} outside any chunk", errno.EINVAL)
+        member, version = await self._readable_version(req.chain_id, req.chain_version, req.chunk_id)
+        if version == 0:
+            return p.ChunkLocation(0)
+        engine = self.engines[member.target_id]
+        try:  # a held version is written out first: that may wait for the disk
+            loc = await self._readers.run(lambda: engine.pin_location(req.chunk_id, version, req.offset, req.length))
+        except KvfsError as exc:
+            _hole_or_moved_on(exc, engine, req.chunk_id, version)
+            return p.ChunkLocation(0)
+        # the pin must outlive the deadline the client checks against: take the time after pinning
+        deadline = time.monotonic_ns() + int(LOCATE_LEASE * 1e9)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._release_at, deadline, loc.release)
+        LOCATED.inc()
+        return p.ChunkLocation(loc.version, str(loc.path), loc.offset, loc.length, loc.first_block, loc.block_crcs,
+                               deadline)
+
+    @staticmethod
+    async def _release_at(deadline_ns: int, release: Callable[[], None]) -> None:
+        try:
+            await trio.sleep(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9) + _LEASE_SLACK)
+        finally:
+            release()
+
+    def _same_host(self, peer: str, boot_id: str) -> bool:
+        """The peer connected from this host (loopback, or this server's own address) and runs on this kernel."""
+        host = peer.rsplit(":", 1)[0].strip("[]")
+        own = self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            local = ipaddress.ip_address(host).is_loopback or host == own
+        except ValueError:
+            local = False
+        return local and bool(boot_id) and boot_id == shm.boot_id()
 
     async def _engine_data(self, engine: ChunkEngine, chunk_id: ChunkId, offset: int, length: int, version: int,
                            ctx: CallContext) -> memoryview | bytes:
@@ -487,11 +555,8 @@ class ChunkServer:
                     lambda: engine.read(chunk_id, offset, length, version=version, into=buf))
             return buf[:n]
         except KvfsError as exc:
-            if exc.errno != errno.ENOENT:
-                raise
-            if engine.versions(chunk_id) == (None, None):
-                return b""  # removed (truncated or garbage-collected): a hole
-            raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
+            _hole_or_moved_on(exc, engine, chunk_id, version)
+            return b""
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
         """Replace a corrupt local copy with a peer's committed copy of the same version."""

@@ -6,6 +6,11 @@ never creates a file. This module allocates and frees slots and moves bytes in a
 the file system takes it, see the engine's "Direct I/O"); it knows nothing of versions or rows. Its callers
 hold the engine's lock, passed in as ``lock``, around allocation and freeing; it takes the lock itself only to
 give up direct I/O and to replace a mapping.
+
+Slot files grow only while the target's file system keeps ``reserve`` bytes free (:func:`default_reserve`), so
+a disk that chunk data fills still has room for what shares it: the KV store, logs, this target's own SQLite
+rows. Past that, a version goes into a free slot of its class, or of a larger class (freed slots count as room
+whatever size they are), and else the write fails with ENOSPC.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ log = logging.getLogger("kvfs.chunkserver.engine")
 MIN_CLASS_LOG2 = 16
 MAX_CLASS_LOG2 = 26
 _GROW_BYTES = 256 << 20  # the most a slot file grows by at once (see SlotFiles._grow)
+#: The most a target keeps free of its file system by default: MooseFS's chunk servers leave 256 MiB per disk
+#: (``HDD_LEAVE_SPACE_DEFAULT``) for the same reason.
+MAX_DEFAULT_RESERVE = 256 << 20
 #: What O_DIRECT needs aligned (buffer address, file offset, length): the page, which covers any disk's logical
 #: block (512 B, or 4 KiB on 4Kn disks) without asking each file system.
 DIRECT_ALIGN = mmap.PAGESIZE
@@ -39,6 +47,14 @@ def class_for(length: int) -> int:
 
 def enospc(what: str) -> KvfsError:
     return KvfsError(what, errno.ENOSPC)
+
+
+def default_reserve(root: Path) -> int:
+    """Bytes of ``root``'s file system that chunk data leaves free unless configured: 256 MiB, or a tenth of a
+    file system smaller than 2.5 GiB. What it protects (a KV store's WAL, logs, SQLite rows) does not grow with
+    the disk, and a small disk should not lose most of itself to it."""
+    st = os.statvfs(root)
+    return min(MAX_DEFAULT_RESERVE, st.f_blocks * st.f_frsize // 10)
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -69,7 +85,8 @@ class SlotFile:
 class SlotFiles:
     """The slot files of the target at ``root``, their free lists and the bytes in use."""
 
-    def __init__(self, root: Path, *, direct_io: bool, capacity_bytes: int | None, lock: threading.Lock) -> None:
+    def __init__(self, root: Path, *, direct_io: bool, capacity_bytes: int | None, lock: threading.Lock,
+                 reserve_bytes: int | None = None) -> None:
         self.root = root
         self._direct_io = direct_io
         self._capacity = capacity_bytes
@@ -78,6 +95,7 @@ class SlotFiles:
         self._mappings: dict[int, memoryview] = {}  # size class -> read-only mapping of its slot file (lend)
         self.used = 0
         (root / "data").mkdir(parents=True, exist_ok=True)
+        self.reserve = default_reserve(root) if reserve_bytes is None else reserve_bytes
         self.files = {c: self._open(c) for c in range(MIN_CLASS_LOG2, MAX_CLASS_LOG2 + 1)}
         if direct_io and any(f.direct < 0 for f in self.files.values()):
             log.warning("target %s: its file system refuses O_DIRECT; slot data is written through the page cache",
@@ -116,7 +134,8 @@ class SlotFiles:
             f.free = [s for s in range(f.total - 1, -1, -1) if (cls, s) not in taken]
 
     def alloc(self, length: int, *, grow: bool = True) -> tuple[int, int] | None:
-        """A free slot for ``length`` bytes; without one, a new slot at the end of the file, or None if not ``grow``."""
+        """A free slot for ``length`` bytes; without one, a new slot at the end of the file, or None if not ``grow``.
+        Where the file may not grow (the reserve, a full disk), a free slot of a larger class serves."""
         cls = class_for(length)
         if cls > MAX_CLASS_LOG2:
             raise KvfsError(f"chunk length {length} exceeds {1 << MAX_CLASS_LOG2}", errno.EINVAL)
@@ -129,18 +148,30 @@ class SlotFiles:
             return None
         else:
             slot = f.total
-            f.total += self._grow(f)
-            f.free.extend(range(f.total - 1, slot, -1))  # the rest of the step, lowest first
+            try:
+                f.total += self._grow(f)
+            except KvfsError:
+                larger = next((g for g in self.files.values() if g.size > f.size and g.free), None)
+                if larger is None:
+                    raise
+                f, slot = larger, larger.free.pop()
+            else:
+                f.free.extend(range(f.total - 1, slot, -1))  # the rest of the step, lowest first
         self.used += f.size
-        return cls, slot
+        return f.size.bit_length() - 1, slot
 
     def _grow(self, f: SlotFile) -> int:
         """Add slots at the end of ``f`` (the caller holds the lock) and return how many: as many as it has, up to
         ``_GROW_BYTES``. Each fallocate waits for the file system's journal, and every engine call waits for the
         lock meanwhile, so a file grows in steps rather than slot by slot; a flush that writes out held versions
         also holds the file's inode lock that fallocate needs, which steps of 256 MiB keep rare. A disk too full
-        for the step still gets a single slot."""
-        step = max(1, min(f.total, _GROW_BYTES // f.size))
+        for the step still gets a single slot; none where it would eat into the reserve."""
+        st = os.statvfs(self.root)
+        room = st.f_bavail * st.f_frsize - self.reserve
+        if room < f.size:
+            raise enospc(f"target {self.root}: its file system has {max(0, room + self.reserve) >> 20} MiB free, and"
+                         f" chunk data leaves {self.reserve >> 20} MiB of it to the KV store and logs")
+        step = max(1, min(f.total, _GROW_BYTES // f.size, room // f.size))
         while True:
             try:
                 os.posix_fallocate(f.fd, f.total * f.size, step * f.size)
@@ -158,13 +189,15 @@ class SlotFiles:
         self.used -= 1 << cls
 
     def space(self) -> tuple[int, int, int]:
-        """(capacity, used, free) in bytes; used counts the slots in use, free includes the free slots."""
+        """(capacity, used, free) in bytes; used counts the slots in use, free includes the free slots and leaves
+        out the reserve."""
         st = os.statvfs(self.root)
         with self._lock:
             pooled = sum(len(f.free) * f.size for f in self.files.values())
             used = self.used
         capacity = self._capacity if self._capacity is not None else st.f_blocks * st.f_frsize
-        return capacity, used, max(0, min(capacity - used, st.f_bavail * st.f_frsize + pooled))
+        growable = max(0, st.f_bavail * st.f_frsize - self.reserve)
+        return capacity, used, max(0, min(capacity - used, growable + pooled))
 
     # ----------------------------------------------------------------- data I/O
 

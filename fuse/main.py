@@ -38,7 +38,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             await _check_token(meta)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(meta.keep_alive)
-                nursery.start_soon(shm.give_back_idle)
+                nursery.start_soon(shm.give_back_idle, 2.0, 5.0)  # write buffers back 5 s after the last write
                 await run_mount(meta, storage, mountpoint, **options)
                 nursery.cancel_scope.cancel()
             rpc.close()

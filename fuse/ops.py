@@ -29,7 +29,7 @@ import trio
 from kvfs.aio import one_error
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.pool import RECEIVED
-from kvfs.meta.posix import LAYOUT_XATTR
+from kvfs.meta.posix import LAYOUT_XATTR, NAME_MAX
 from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
@@ -255,6 +255,8 @@ class KvfsOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ namespace ---------
     @_fuse_errors
     async def lookup(self, parent_inode, name, ctx):
+        if len(name) > NAME_MAX:  # a kernel may pass names up to FUSE_NAME_MAX (1024 bytes) on: none can exist
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
         if self.coherence is not None and self.coherence.absent(parent_inode, name):
             return self._negative(parent_inode, name)
         caller = self._caller(ctx)
@@ -374,8 +376,14 @@ class KvfsOperations(pyfuse3.Operations):
             else:
                 old = (await self.meta.getattr(caller, inode)).size
             kw["size"] = new_size
-        if not kw:
-            return self._entry(await self.meta.getattr(caller, inode))
+        if fh is not None and kw.keys() & {"size", "mode"}:
+            # through a descriptor (ftruncate): permission was checked when it was opened, and the mode the file
+            # has now must not undo that, so meta checks the descriptor's write session instead
+            h = self._handles.get(fh)
+            if h is not None and h.session is not None:
+                kw["session"] = h.session
+        # Nothing to change still changes ctime: chown(f, -1, -1) does on Linux, and FUSE (without writeback
+        # caching) sends it as a setattr with no fields; meta's setattr sets ctime whatever it is asked
         result = await self.meta.setattr(caller, inode, **kw)
         if new_size is not None:
             if st is not None:
@@ -625,7 +633,8 @@ class KvfsOperations(pyfuse3.Operations):
         # A write-only open cannot read or be mapped, and with keep_cache off the next open drops whatever it would
         # leave in the page cache: its writes skip the page cache (a copy, and a page each to allocate and free)
         direct = flags & os.O_ACCMODE == os.O_WRONLY and not self.keep_cache
-        h = Handle(self._new_fh(), st, flags, caller, session, opened.hold, direct=direct)
+        set_id = session is not None and caller.uid != 0 and bool(attr.mode & (stat.S_ISUID | stat.S_ISGID))
+        h = Handle(self._new_fh(), st, flags, caller, session, opened.hold, direct=direct, set_id=set_id)
         st.handles.add(h)
         self._handles[h.fh] = h
         fi = pyfuse3.FileInfo(fh=h.fh)
@@ -759,6 +768,8 @@ class KvfsOperations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         h = self._handle(fh)
         st = h.state
+        if h.set_id:
+            await self._drop_set_id(h)
         others = len(st.handles) > 1
         if others:  # writes to the same bytes through two opens reach storage in the order they were made
             await self._drop_pages_of_other_opens(h)  # their dirty pages reach their opens' buffers first
@@ -767,6 +778,16 @@ class KvfsOperations(pyfuse3.Operations):
         if others:
             await self._drop_pages_of_other_opens(h)
         return len(buf)
+
+    async def _drop_set_id(self, h: Handle) -> None:
+        """The first write through an open of a set-id file, by anyone but root: meta drops the bits (by Linux's
+        rule, ``kill_suid``) before the bytes go anywhere, as a local filesystem does in write(2). Writes that skip
+        the page cache get no request from the kernel for it, and a buffered write is reported to meta only when
+        it is flushed: until then the changed file would still be set-id."""
+        h.set_id = False
+        assert h.session is not None
+        await self.meta.report_length(h.caller, h.state.ino, h.session, 0)
+        invalidate_attributes(h.state.ino)
 
     @staticmethod
     async def _drop_pages_of_other_opens(h: Handle) -> None:

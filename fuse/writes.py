@@ -59,6 +59,7 @@ class Handle:
     session: int | None
     hold: int | None = None  # a read-only open's hold session: the file outlives its last name while open
     direct: bool = False  # the kernel sends its writes without the page cache (see KvfsOperations._attach)
+    set_id: bool = False  # a set-id file opened for writing by anyone but root: its first write drops the bits
     lock: trio.Lock = field(default_factory=trio.Lock)
     buf: Any = field(default_factory=bytearray)  # bytearray, or a buffer in shared memory (_write_buffer)
     buf_off: int = 0

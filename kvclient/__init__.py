@@ -1,6 +1,9 @@
 """kvclient: the KV-cache library that bypasses FUSE (see README.md in this folder)."""
 
-from .client import AsyncKVClient, BufferTooSmall, ClientClosed, InvalidKey, KVClient, RegisteredBuffer, ShortObject
+from .buffers import DeviceSpan, RegisteredBuffer
+from .client import AsyncKVClient, BufferTooSmall, ClientClosed, InvalidKey, KVClient, ShortObject, ValueTooLarge
+from .evict import EvictionPolicy
+from .gpu import GpuUnavailable
 
-__all__ = ["AsyncKVClient", "BufferTooSmall", "ClientClosed", "InvalidKey", "KVClient", "RegisteredBuffer",
-           "ShortObject"]
+__all__ = ["AsyncKVClient", "BufferTooSmall", "ClientClosed", "DeviceSpan", "EvictionPolicy", "GpuUnavailable",
+           "InvalidKey", "KVClient", "RegisteredBuffer", "ShortObject", "ValueTooLarge"]

@@ -8,7 +8,8 @@ that loop and are safe from any number of threads. :class:`AsyncKVClient` gives 
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import contextlib
+import functools
 import errno
 import os
 import secrets
@@ -26,12 +27,16 @@ from kvfs.config import ClusterConfig, load_config
 from kvfs.craq.client import MgmtdClient
 from kvfs.errors import KvfsError
 from kvfs.meta.client import RemoteMeta
-from kvfs.meta.posix import NAME_MAX, RENAME_NOREPLACE, ROOT_INO
-from kvfs.meta.types import Caller
+from kvfs.meta.posix import NAME_MAX, ROOT_INO
+from kvfs.meta.types import Caller, Commit, Found, Layout
+from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
+from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
+from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
+from kvfs.kvclient.local import ChunkReader
+from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
 
 ROOT_DIR = b"kvcache"
-_TMP_PREFIX = b".put-"
 
 HITS = Counter("kvfs_kvclient_hits", "kvclient gets that found their key")
 MISSES = Counter("kvfs_kvclient_misses", "kvclient gets whose key was absent")
@@ -62,6 +67,12 @@ class ClientClosed(KvfsError):
     default_errno = errno.EBADF
 
 
+class ValueTooLarge(KvfsError):
+    """A value larger than the namespace's whole capacity (``capacity_bytes``): it could never be kept."""
+
+    default_errno = errno.EFBIG
+
+
 def _key(key: str | bytes) -> bytes:
     if isinstance(key, str):
         key = key.encode()
@@ -74,50 +85,25 @@ def _key(key: str | bytes) -> bytes:
         raise InvalidKey(f"key of {len(key)} bytes; at most {NAME_MAX}", errno.ENAMETOOLONG)
     if b"/" in key or b"\0" in key:
         raise InvalidKey("a key may not hold '/' or NUL")
-    if key in (b".", b"..") or key.startswith(_TMP_PREFIX):
+    if key in (b".", b"..") or key.startswith(TEMP_PREFIX):
         raise InvalidKey(f"reserved key {key!r}")
     return key
-
-
-class RegisteredBuffer:
-    """Host memory at a raw address, registered with :meth:`KVClient.register_buffer`; usable as a value or an
-    output buffer (it supports the buffer protocol through ``view``)."""
-
-    def __init__(self, ptr: int, size: int, device: str) -> None:
-        self.ptr, self.size, self.device = ptr, size, device
-        self.view = memoryview((ctypes.c_char * size).from_address(ptr)).cast("B") if size else memoryview(b"")
-
-
-def _as_view(value: Any, *, writable: bool) -> memoryview:
-    """A flat byte view of a value without copying; torch tensors on the CPU go through ``.numpy()``."""
-    if isinstance(value, RegisteredBuffer):
-        return value.view
-    if hasattr(value, "is_cuda") and hasattr(value, "numpy"):  # torch.Tensor
-        if value.is_cuda:
-            raise TypeError("GPU tensors are not supported yet (capabilities()['gpu'] is False)")
-        value = value.detach().numpy()
-    try:
-        view = memoryview(value)
-    except TypeError:
-        raise TypeError(f"{type(value).__name__} does not support the buffer protocol") from None
-    if not view.c_contiguous:
-        raise TypeError("the buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise TypeError("the output buffer is read-only")
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
 class _Core:
     """The trio side: everything here runs on the client's event loop."""
 
-    def __init__(self, meta: RemoteMeta, storage: StorageClient, namespace: bytes, parallel: int) -> None:
+    def __init__(self, meta: RemoteMeta, storage: StorageClient, reader: ChunkReader, namespace: bytes,
+                 parallel: int) -> None:
         self.meta = meta
         self.storage = storage
+        self.reader = reader
         self.namespace = namespace
         self.caller = Caller(os.getuid(), os.getgid(), client=meta.client_id)
         self.limit = trio.CapacityLimiter(parallel)
         self._dir: int | None = None
         self._dir_lock = trio.Lock()
+        self.accesses = AccessLog()
 
     async def _subdir(self, parent: int, name: bytes) -> int:
         try:
@@ -147,78 +133,101 @@ class _Core:
                             raise
         return self._dir
 
-    async def _lookup(self, key: bytes) -> Any:
-        d = await self.ns_dir(create=False)
-        if d is None:
-            return None
-        try:
-            return await self.meta.lookup(self.caller, d, key)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                return None
-            raise
-
-    async def put(self, key: bytes, view: memoryview) -> None:
-        if await self._lookup(key) is not None:
-            return  # written once: an existing entry is complete by construction
+    async def put_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[int]:
+        """Write-once puts in two metadata round trips per batch (``begin_puts``, ``commit_puts``), the chunk
+        writes in between in parallel: 0 or -errno per item. A key that exists, or that another put commits
+        first (-EEXIST from the commit), keeps its value and counts as success."""
         d = await self.ns_dir(create=True)
         assert d is not None
-        tmp = _TMP_PREFIX + secrets.token_hex(8).encode()
-        opened = await self.meta.create(self.caller, d, tmp, 0o644, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-        ino, size = opened.attr.ino, len(view)
-        renamed = False
-        try:
-            try:
-                if size:
-                    layout = opened.layout or await self.meta.get_layout(self.caller, ino)
-                    async with self.limit:
-                        await self.storage.write(ino, layout, 0, view)  # returns once every replica has it
-                    await self.meta.set_length(self.caller, ino, opened.session, size)
-            finally:
-                await self.meta.close(self.caller, ino, opened.session, size)
-            try:
-                await self.meta.rename(self.caller, d, tmp, d, key, RENAME_NOREPLACE)
-                renamed = True
-                BYTES_WRITTEN.inc(size)
-            except OSError as e:
-                if e.errno != errno.EEXIST:  # EEXIST: another put of this key won; its value stands
-                    raise
-        finally:
-            if not renamed:
-                with trio.CancelScope(shield=True):
-                    try:
-                        await self.meta.unlink(self.caller, d, tmp)
-                    except OSError:
-                        pass
+        temps = [TEMP_PREFIX + secrets.token_hex(8).encode() for _ in items]
+        opened = await per_batch(self.meta.begin_puts, self.caller, d,
+                                 [(key, temp) for (key, _), temp in zip(items, temps)], 0o644)
+        results = [0] * len(items)
+        begun = {i: Commit(temps[i], items[i][0], o.attr.ino, o.session, len(items[i][1]))
+                 for i, o in enumerate(opened) if o is not None}
+        failed = set(begun)  # until committed; their temporary files and sessions go in the end
 
-    async def get_into(self, key: bytes, out: memoryview) -> int:
-        attr = await self._lookup(key)
-        if attr is None:
+        async def write(i: int, layout: Layout) -> None:
+            async with self.limit:
+                await self.storage.write(begun[i].ino, layout, 0, items[i][1])  # returns once every replica has it
+
+        try:
+            nonempty = [i for i in begun if begun[i].length]
+            layouts = [(i, opened[i].layout) for i in nonempty]  # type: ignore[union-attr]
+            for i, r in zip(nonempty, await self.batch(write, layouts)):
+                results[i] = r
+            ready = [i for i in begun if results[i] == 0]
+            for i, r in zip(ready, await per_batch(self.meta.commit_puts, self.caller, d, [begun[i] for i in ready])):
+                if r == 0:
+                    BYTES_WRITTEN.inc(begun[i].length)
+                if r in (0, -errno.EEXIST):  # EEXIST: another put of this key won; meta removed our file
+                    failed.discard(i)
+                else:
+                    results[i] = r
+        finally:
+            if failed:
+                with trio.CancelScope(shield=True):
+                    await self._abandon(d, [begun[i] for i in failed])
+        return results
+
+    async def _abandon(self, d: int, puts: list[Commit]) -> None:
+        """Remove the temporary files of puts that will not commit and end their write sessions, so their chunks
+        are collected now rather than when this client goes; what fails here is left to the orphan sweep."""
+        try:
+            await per_batch(self.meta.batch_unlink, self.caller, d, [p.temp for p in puts])
+            await self.meta.close_sessions(self.caller, [(p.ino, p.session, None) for p in puts])
+        except OSError:
+            pass
+
+    async def lookup_many(self, keys: Sequence[bytes]) -> list[Found | None]:
+        """One ``batch_lookup`` per MAX_BATCH keys: attributes and layout of each, or None."""
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return [None] * len(keys)
+        return await per_batch(self.meta.batch_lookup, self.caller, d, keys)
+
+    async def get_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int]:
+        """Batch get: one metadata round trip, then every object's chunk reads in parallel."""
+        found = await self.lookup_many([key for key, _ in items])
+        return await self.batch(self._read_found, [(key, f, out) for (key, out), f in zip(items, found)])
+
+    async def _read_found(self, key: bytes, found: Found | None, out: memoryview | DeviceSpan) -> int:
+        if found is None:
             MISSES.inc()
             return -errno.ENOENT
-        return await self._read(key, attr, out)
+        return await self._read(key, found.attr, out, found.layout)
 
-    async def _read(self, key: bytes, attr: Any, out: memoryview) -> int:
+    async def remove_many(self, keys: Sequence[bytes]) -> list[int]:
+        d = await self.ns_dir(create=False)
+        if d is None:
+            return [-errno.ENOENT] * len(keys)
+        return await per_batch(self.meta.batch_unlink, self.caller, d, keys)
+
+    async def get_into(self, key: bytes, out: memoryview | DeviceSpan) -> int:
+        (found,) = await self.lookup_many([key])
+        return await self._read_found(key, found, out)
+
+    async def _read(self, key: bytes, attr: Any, out: memoryview | DeviceSpan,
+                    layout: Layout | None = None) -> int:
         size = attr.size
         if size > len(out):
             raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
         if size:
-            layout = await self.meta.get_layout(self.caller, attr.ino)
+            layout = layout or await self.meta.get_layout(self.caller, attr.ino)
             async with self.limit:
-                n = await self.storage.read(attr.ino, layout, 0, out[:size])
-            if n != size:
-                raise ShortObject(f"read {n} of {size} bytes of {key!r}")
+                await self.reader.read(attr.ino, layout, size, out)
         HITS.inc()
         BYTES_READ.inc(size)
+        self.accesses.record(key)
         return size
 
     async def get(self, key: bytes) -> bytes | None:
-        attr = await self._lookup(key)
-        if attr is None:
+        (found,) = await self.lookup_many([key])
+        if found is None:
             MISSES.inc()
             return None
-        buf = bytearray(attr.size)
-        await self._read(key, attr, memoryview(buf))
+        buf = bytearray(found.attr.size)
+        await self._read(key, found.attr, memoryview(buf), found.layout)
         return bytes(buf)
 
     async def remove(self, key: bytes) -> int:
@@ -253,12 +262,29 @@ class _Core:
 class KVClient:
     """Blocking, thread-safe client; one trio loop in a background thread does the I/O."""
 
-    def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16) -> None:
+    def __init__(self, config: ClusterConfig, namespace: str | bytes, *, parallel: int = 16,
+                 short_circuit: bool | None = None, capacity_bytes: int | None = None, ttl: float | None = None,
+                 evict: bool | None = None, evict_interval: float = 10.0, orphan_grace: float = 600.0,
+                 access_flush: float = 1.0) -> None:
+        """``short_circuit``: read replicas on this host from their files (default ``$KVFS_SHORT_CIRCUIT``, else
+        on); it is off by itself where this user cannot open the chunk servers' files. ``capacity_bytes`` and
+        ``ttl`` (seconds) limit the namespace (kvclient/evict.py); ``evict``: whether this client sweeps it every
+        ``evict_interval`` seconds (by default when it has a limit), removing also temporary files of dead puts
+        older than ``orphan_grace`` seconds; reads are recorded for the LRU order every ``access_flush`` seconds."""
         self.namespace = _key(namespace)
         if not config.meta or not config.mgmtd:
             raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
         self._config = config
         self._parallel = parallel
+        self._policy = EvictionPolicy(capacity_bytes, ttl, orphan_grace, evict_interval)
+        self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
+        self._access_flush = access_flush
+        if short_circuit is None:
+            short_circuit = os.environ.get("KVFS_SHORT_CIRCUIT", "1") != "0"
+        self._short_circuit = short_circuit
+        self._gpu_lock = threading.Lock()
+        self._gpu_support: GpuSupport | None = None
+        self._gpu: GpuBackend | None = None
         self._registered: dict[int, RegisteredBuffer] = {}
         self._closed = False
         self._token: trio.lowlevel.TrioToken | None = None
@@ -291,13 +317,20 @@ class KVClient:
                 async with rpc_cm as rpc:
                     meta = RemoteMeta(rpc, config.meta)
                     storage = StorageClient(rpc, MgmtdClient(rpc, config.mgmtd), call_timeout=t.call)
-                    self._core = _Core(meta, storage, self.namespace, self._parallel)
+                    reader = ChunkReader(storage, short_circuit=self._short_circuit, gpu_support=self.gpu_support,
+                                         gpu=self._gpu_backend, parallel=self._parallel)
+                    core = self._core = _Core(meta, storage, reader, self.namespace, self._parallel)
+                    upkeep = Maintenance(meta, core.caller, lambda: core.ns_dir(create=False), core.accesses,
+                                         self._policy, access_flush=self._access_flush)
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(meta.keep_alive)
+                        nursery.start_soon(functools.partial(upkeep.run, sweep=self._sweep))
                         self._ready.set()
                         await self._stop.wait()
+                        with trio.move_on_after(self._config.timeouts.call), contextlib.suppress(OSError):
+                            await upkeep.flush()  # the last reads count for the LRU order too
                         nursery.cancel_scope.cancel()
                     rpc.close()
             except BaseException as exc:  # noqa: BLE001 - reported to the constructor
@@ -330,6 +363,10 @@ class KVClient:
             except trio.RunFinishedError:
                 pass
         self._thread.join(30)
+        if self._core is not None:
+            self._core.reader.close()
+        if self._gpu is not None:
+            self._gpu.close()
 
     def __enter__(self) -> KVClient:
         return self
@@ -339,23 +376,40 @@ class KVClient:
 
     # ---------------------------------------------------------------------------- the API
     def capabilities(self) -> dict[str, Any]:
+        """What this client can do here, each with the reason where it cannot; probing the GPU imports a GPU
+        library only on a host with an NVIDIA device."""
+        reader = self._core.reader if self._core is not None and not self._closed else None
+        gpu = self.gpu_support()
         return {
             "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
             "transport": self._config.resolved_transport(),
-            "short_circuit": False,
-            "short_circuit_reason": "not implemented yet: every read goes through the chunk servers",
-            "gds": False,
-            "gds_reason": "GPUDirect Storage is not implemented",
-            "gpu": False,
-            "gpu_reason": "values and buffers must be host memory for now",
+            "shm_reads": self._config.resolved_shared_memory(),  # what is not short-circuit, from this host's servers
+            "short_circuit": bool(reader and reader.short_circuit),
+            "short_circuit_reason": reader.off_reason if reader else "the client is closed",
+            "gpu": gpu.gpu and gpu.copier is not None,
+            "gpu_copier": gpu.copier,
+            "gds": gpu.gds,
+            "gds_direct": gpu.gds_direct,
+            "gpu_reason": gpu.reason,
         }
 
+    def gpu_support(self) -> GpuSupport:
+        """What this process can do with GPU memory (probed once)."""
+        with self._gpu_lock:
+            if self._gpu_support is None:
+                self._gpu_support = probe()
+            return self._gpu_support
+
+    def _gpu_backend(self) -> GpuBackend:
+        support = self.gpu_support()
+        with self._gpu_lock:
+            if self._gpu is None:
+                self._gpu = GpuBackend(support)
+            return self._gpu
+
     def register_buffer(self, ptr: int, size: int, device: str = "cpu") -> RegisteredBuffer:
-        """Register host memory at a raw address; pass the returned object as a value or output buffer."""
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported yet; only 'cpu'")
-        if not isinstance(ptr, int) or not isinstance(size, int) or size < 0 or (ptr == 0 and size):
-            raise ValueError("register_buffer needs an address and a size >= 0")
+        """Register memory at a raw address (host memory for ``"cpu"``, GPU memory for ``"cuda"``/``"cuda:N"``);
+        pass the returned object as a value or an output buffer. Bad arguments raise ValueError."""
         buf = RegisteredBuffer(ptr, size, device)
         self._registered[ptr] = buf
         return buf
@@ -367,24 +421,46 @@ class KVClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
+    def _value(self, value: Any) -> memoryview:
+        """A value's bytes in host memory: GPU memory is copied out first (chunk servers take host bytes). A value
+        larger than the namespace's capacity could never be kept: ValueTooLarge."""
+        buf = as_buffer(value, writable=False)
+        capacity = self._policy.capacity_bytes
+        if capacity is not None and len(buf) > capacity:
+            raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
+        if isinstance(buf, DeviceSpan):
+            host = memoryview(bytearray(len(buf)))
+            self._gpu_backend().to_host(host, buf)
+            return host
+        return buf
+
+    def _out(self, out: Any) -> memoryview | DeviceSpan:
+        """An output buffer; for GPU memory the GPU backend is set up first, so a host without one raises
+        GpuUnavailable before anything is read."""
+        buf = as_buffer(out, writable=True)
+        if isinstance(buf, DeviceSpan):
+            self._gpu_backend()
+        return buf
+
     def put(self, key: str | bytes, value: Any) -> None:
         self._check_open()
-        k, view = _key(key), _as_view(value, writable=False)
-        self._call(self._core.put, k, view)  # type: ignore[union-attr]
+        (result,) = self._call(self._core.put_many, [(_key(key), self._value(value))])  # type: ignore[union-attr]
+        if result < 0:
+            raise KvfsError(f"put of {key!r} failed: {os.strerror(-result)}", -result)
 
     def batch_put(self, keys: Sequence[str | bytes], values: Sequence[Any]) -> list[int]:
         """0 or -errno per key; bad keys or values raise before anything is written."""
         self._check_open()
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        items = [(_key(k), _as_view(v, writable=False)) for k, v in zip(keys, values)]
+        items = [(_key(k), self._value(v)) for k, v in zip(keys, values)]
         with BATCH_SECONDS.labels("put").time():
-            return self._call(self._core.batch, self._core.put, items)  # type: ignore[union-attr]
+            return self._call(self._core.put_many, items)  # type: ignore[union-attr]
 
     def get_into(self, key: str | bytes, out: Any) -> int:
         """Bytes read into ``out`` (no copy on the way), or -ENOENT; a too-small buffer raises BufferTooSmall."""
         self._check_open()
-        k, view = _key(key), _as_view(out, writable=True)
+        k, view = _key(key), self._out(out)
         return self._call(self._core.get_into, k, view)  # type: ignore[union-attr]
 
     def batch_get_into(self, keys: Sequence[str | bytes], outs: Sequence[Any]) -> list[int]:
@@ -392,9 +468,9 @@ class KVClient:
         self._check_open()
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} buffers")
-        items = [(_key(k), _as_view(o, writable=True)) for k, o in zip(keys, outs)]
+        items = [(_key(k), self._out(o)) for k, o in zip(keys, outs)]
         with BATCH_SECONDS.labels("get").time():
-            return self._call(self._core.batch, self._core.get_into, items)  # type: ignore[union-attr]
+            return self._call(self._core.get_many, items)  # type: ignore[union-attr]
 
     def get(self, key: str | bytes) -> bytes | None:
         self._check_open()
@@ -402,17 +478,10 @@ class KVClient:
 
     def batch_exists(self, keys: Sequence[str | bytes]) -> list[bool]:
         self._check_open()
-        items = [(_key(k),) for k in keys]
-
-        async def exists(k: bytes) -> int:
-            return 1 if await self._core._lookup(k) is not None else 0  # type: ignore[union-attr]
-
+        items = [_key(k) for k in keys]
         with BATCH_SECONDS.labels("exists").time():
-            found = self._call(self._core.batch, exists, items)  # type: ignore[union-attr]
-        for r in found:
-            if r < 0:
-                raise KvfsError(f"lookup failed: {os.strerror(-r)}", -r)
-        return [r == 1 for r in found]
+            found = self._call(self._core.lookup_many, items)  # type: ignore[union-attr]
+        return [f is not None for f in found]
 
     def prefix_hits(self, keys: Sequence[str | bytes]) -> int:
         """How many leading keys are present (the usable prefix of a token sequence's blocks)."""
@@ -430,9 +499,9 @@ class KVClient:
 
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[int]:
         self._check_open()
-        items = [(_key(k),) for k in keys]
+        items = [_key(k) for k in keys]
         with BATCH_SECONDS.labels("remove").time():
-            return self._call(self._core.batch, self._core.remove, items)  # type: ignore[union-attr]
+            return self._call(self._core.remove_many, items)  # type: ignore[union-attr]
 
 
 class AsyncKVClient:

@@ -170,8 +170,15 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
                    "--write-through (--no-fsync: never; a power loss can lose any acknowledged write).")
 @click.option("--write-through", is_flag=True,
               help="Flush every write before acknowledging it (default: write-back, durable at fsync).")
+@click.option("--kv-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the KV store (mgmtd's and meta's SQLite database), e.g. on another disk than the "
+                   "chunk data (default: --data). Set when the cluster is created.")
+@click.option("--memory-mb", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Memory (PSS) the whole cluster may use while it moves data: the chunk servers' held writes and "
+                   "buffer pools get what the other processes leave, in equal shares ([chunkserver] memory_bytes). "
+                   "Set when the cluster is created.")
 def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets_per_server: int,
-           fsync: bool, write_through: bool) -> None:
+           fsync: bool, write_through: bool, kv_dir: str | None, memory_mb: int) -> None:
     """Start (or restart what is not running of) a local cluster and mount it."""
     from pathlib import Path
 
@@ -180,7 +187,9 @@ def up_cmd(data: str, mountpoint: str, chunkservers: int, replicas: int, targets
     cluster = LocalCluster(Path(data))
     layout = _fail_cleanly(lambda: cluster.up(Path(mountpoint), chunkservers, replicas, echo=click.echo,
                                               targets_per_server=targets_per_server, fsync=fsync,
-                                              write_through=write_through))
+                                              write_through=write_through,
+                                              kv_dir=Path(kv_dir) if kv_dir is not None else None,
+                                              memory=memory_mb << 20))
     click.echo(f"kvfs is up: {layout.mount} ({len(layout.chunkservers)} chunk servers, {layout.replicas} replicas)")
     kvfs = _this_command()
     click.echo(f"  client config: {cluster.client_config_path}")

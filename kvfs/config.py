@@ -26,7 +26,7 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import tomli_w
@@ -61,7 +61,16 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     #: writing them at once (split across its targets), so a chunk rewritten meanwhile reaches the disk once.
     #: None: 384 MiB or a 32nd of the host's memory, whichever is less; 0: write every chunk at once.
     hold_bytes: int | None = None
+    #: The memory budget of one chunk server's data buffers: held writes (half of it, unless ``hold_bytes`` says
+    #: otherwise) and the pools that received and read chunks land in (three quarters of it for shared memory,
+    #: which same-host writes and held writes use, a quarter for reads and other hosts' writes). None: no budget
+    #: (pools of 512 and 256 MiB, each grown by ``hold_bytes``). ``kvfs up`` sets it from ``--memory-mb``.
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
     capacity_bytes: int | None = None
+    #: Bytes of each target's file system that chunk data leaves free, for what shares the disk (the KV store, logs):
+    #: past it, writes fail with ENOSPC while metadata, reads and deletes go on. None: 256 MiB, or a tenth of a
+    #: file system smaller than 2.5 GiB.
+    reserve_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def resolved_hold_bytes(self) -> int:
         """``hold_bytes``, its default worked out for this host; 0 without write-back (nothing waits for a sync)."""
@@ -71,7 +80,16 @@ class ChunkServerSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             if self.hold_bytes < 0:
                 raise KvfsError(f"[chunkserver] hold_bytes must be 0 or more, not {self.hold_bytes}")
             return self.hold_bytes
-        return min(_DEFAULT_HOLD, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 32)
+        hold = min(_DEFAULT_HOLD, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 32)
+        return hold if self.memory_bytes is None else min(hold, self.memory_bytes // 2)
+
+    def pool_capacities(self, hold: int, shared: int, received: int) -> tuple[int, int]:
+        """(shared-memory pool, received pool) capacities for a chunk server whose pools default to ``shared`` and
+        ``received`` bytes and that holds up to ``hold`` bytes of writes: within ``memory_bytes`` where set, else
+        the defaults grown by ``hold`` (held writes keep their buffers; the pools make room beside them)."""
+        if self.memory_bytes is None:
+            return shared + hold, received + hold
+        return self.memory_bytes - self.memory_bytes // 4, self.memory_bytes // 4
 
 
 class MetaSection(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

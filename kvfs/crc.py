@@ -25,6 +25,24 @@ def block_crcs(data: bytes | bytearray | memoryview) -> list[int]:
     return [crc32c(data[i : i + BLOCK], gil_release_mode=0) for i in range(0, len(data), BLOCK)]
 
 
+def bad_block(segments: list[tuple[int, memoryview]], lo: int, hi: int, crcs: array | list[int],
+              first_block: int = 0) -> int | None:
+    """The first block of bytes [lo, hi) whose CRC32C is not its stored one, or None. ``lo`` is a block boundary
+    and ``hi`` one or the data's end; ``segments`` are ``(start, buffer)`` pieces that cover the range in order
+    (a reader's scratch head, the caller's buffer, a scratch tail: the middle is read straight where it goes).
+    ``crcs[i]`` is block ``first_block + i``'s stored CRC."""
+    for b in range(lo // BLOCK, -(-hi // BLOCK)):
+        blo, bhi = b * BLOCK, min(b * BLOCK + BLOCK, hi)
+        crc = 0
+        for start, buf in segments:
+            s, t = max(blo, start), min(bhi, start + len(buf))
+            if s < t:
+                crc = crc32c(buf[s - start : t - start], value=crc)
+        if crc != crcs[b - first_block]:
+            return b
+    return None
+
+
 def _shift_tables(n: int) -> tuple[list[int], ...]:
     """Byte tables of the linear map ``a -> crc32c(zeros(n), value=a) ^ crc32c(zeros(n))``.
 

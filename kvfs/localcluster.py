@@ -5,7 +5,10 @@ Everything lives under one data directory:
 * ``cluster.toml`` — the config every process reads (token, addresses, KV store URL), private to the owner;
 * ``client.toml`` — what a client needs (addresses and token) for kvclient and other tools;
 * ``local.json`` — this tool's own record: ports, chunk server count, replicas, mount point;
-* ``logs/<name>.log`` and ``run/<name>.pid`` — one per process; ``targets/cs<N>`` — chunk data.
+* ``logs/<name>.log`` and ``run/<name>.pid`` — one per process; ``targets/cs<N>`` — chunk data;
+* ``kv.db`` — the KV store (SQLite) of mgmtd and meta, unless ``--kv-dir`` put it on another file system: chunk
+  servers leave a reserve of the disk free (``[chunkserver] reserve_bytes``) so that chunk data filling it does
+  not take the KV store with it, and a separate disk makes that certain.
 
 ``up`` is idempotent: run again on the same directory it restarts only what is not running and keeps all data.
 """
@@ -30,6 +33,26 @@ import trio
 
 from kvfs.config import ChunkServerSection, ClusterConfig, Timeouts, load_config, new_token, save_config
 from kvfs.errors import KvfsError
+
+
+#: ``kvfs up --memory-mb``'s default: the whole cluster's memory (PSS) while it takes and serves data.
+DEFAULT_MEMORY = 1 << 30
+#: What the budget sets aside before the chunk servers' share: each process's interpreter, code and working heap
+#: (27 MiB idle, more while data moves), and the mount's write buffers (benchmarks/memory_pss.py measures both).
+PROCESS_BASE = 48 << 20
+MOUNT_BUFFERS = 160 << 20
+#: Below this a chunk server's buffers would not hold the chunk writes one client keeps in flight.
+MIN_CHUNKSERVER_MEMORY = 64 << 20
+
+
+def chunkserver_memory(budget: int, chunkservers: int) -> int:
+    """Each chunk server's ``[chunkserver] memory_bytes`` when a host's cluster of ``chunkservers`` chunk servers,
+    mgmtd, meta and the mount is to stay within ``budget`` bytes: what the others need, then equal shares."""
+    share = (budget - (chunkservers + 3) * PROCESS_BASE - MOUNT_BUFFERS) // chunkservers
+    if share < MIN_CHUNKSERVER_MEMORY:
+        raise KvfsError(f"--memory-mb {budget >> 20} leaves {max(share, 0) >> 20} MiB to each of {chunkservers} chunk"
+                        f" servers; they need {MIN_CHUNKSERVER_MEMORY >> 20} MiB each", errno.EINVAL)
+    return share
 
 
 class LocalLayout(msgspec.Struct, kw_only=True):
@@ -95,11 +118,16 @@ class LocalCluster:
 
     def _init(
         self, mount: Path, chunkservers: int, replicas: int, targets_per_server: int = 1, fsync: bool = True,
-        write_through: bool = False,
+        write_through: bool = False, kv_dir: Path | None = None, memory: int = DEFAULT_MEMORY,
     ) -> tuple[ClusterConfig, LocalLayout]:
+        kv_url = f"sqlite:///{(kv_dir.resolve() if kv_dir is not None else self.data) / 'kv.db'}"
         if self.layout_path.exists():
             layout = msgspec.json.decode(self.layout_path.read_bytes(), type=LocalLayout)
             config = load_config(self.config_path)
+            if kv_dir is not None and config.kv_url != kv_url:
+                raise KvfsError(f"--kv-dir {kv_dir}: this cluster keeps its KV store at {config.kv_url} (chosen when"
+                                f" {self.data} was created; move it with the cluster down and edit kv_url in"
+                                f" {self.config_path})", errno.EINVAL)
             if _absolute(mount) != layout.mount:
                 layout.mount = _absolute(mount)
                 self.layout_path.write_bytes(msgspec.json.encode(layout))
@@ -107,8 +135,11 @@ class LocalCluster:
         if not 1 <= replicas <= chunkservers:
             raise KvfsError(f"--replicas {replicas} needs at least as many chunk servers (have {chunkservers})",
                             errno.EINVAL)
+        memory_bytes = chunkserver_memory(memory, chunkservers)
         for sub in ("logs", "run", "targets"):
             (self.data / sub).mkdir(parents=True, exist_ok=True)
+        if kv_dir is not None:
+            kv_dir.mkdir(parents=True, exist_ok=True)
         mgmtd_port, meta_port, *chunkserver_ports = _free_ports(2 + chunkservers)
         layout = LocalLayout(
             mgmtd=f"127.0.0.1:{mgmtd_port}",
@@ -119,9 +150,9 @@ class LocalCluster:
             targets_per_server=targets_per_server,
         )
         config = ClusterConfig(
-            token=new_token(), kv_url=f"sqlite:///{self.data / 'kv.db'}", mgmtd=[layout.mgmtd], meta=[layout.meta],
+            token=new_token(), kv_url=kv_url, mgmtd=[layout.mgmtd], meta=[layout.meta],
             timeouts=Timeouts(heartbeat_interval=0.5, heartbeat_timeout=3.0, lease=3.0),
-            chunkserver=ChunkServerSection(fsync=fsync, write_through=write_through),
+            chunkserver=ChunkServerSection(fsync=fsync, write_through=write_through, memory_bytes=memory_bytes),
         )
         save_config(config, self.config_path)
         save_config(ClusterConfig(token=config.token, mgmtd=config.mgmtd, meta=config.meta), self.client_config_path)
@@ -181,16 +212,19 @@ class LocalCluster:
 
     def up(
         self, mount: Path, chunkservers: int = 3, replicas: int = 3, echo: Any = print, *, mounted: bool = True,
-        targets_per_server: int = 1, fsync: bool = True, write_through: bool = False,
+        targets_per_server: int = 1, fsync: bool = True, write_through: bool = False, kv_dir: Path | None = None,
+        memory: int = DEFAULT_MEMORY,
     ) -> LocalLayout:
         """Start whatever is not running; ``mounted=False`` leaves out the FUSE mount (benchmarks, kvclient).
 
-        The sizes (chunk servers, replicas, targets per server), ``fsync`` and ``write_through`` apply when the
-        directory is new; a restart keeps what it was created with (they live in ``cluster.toml``'s
-        ``[chunkserver]``)."""
+        The sizes (chunk servers, replicas, targets per server), ``fsync``, ``write_through``, ``kv_dir`` (where
+        the KV store goes, by default the data directory) and ``memory`` (the cluster's memory budget in bytes,
+        divided by :func:`chunkserver_memory`) apply when the directory is new; a restart keeps what it
+        was created with (they live in ``cluster.toml``), and refuses a ``kv_dir`` other than the one it has."""
         from kvfs.fuse.mount import force_unmount, is_mounted
 
-        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through)
+        config, layout = self._init(mount, chunkservers, replicas, targets_per_server, fsync, write_through, kv_dir,
+                                    memory)
         daemon_alive = self.pid_of("mount") is not None
         if is_mounted(layout.mount) and not daemon_alive:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails

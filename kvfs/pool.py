@@ -40,16 +40,17 @@ class BufferPool:
         self._by_size: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
         self._last_take = time.monotonic()
-        self._trimmed = False  # nothing was taken since the last trim
+        self._trimmed: set[int] = set()  # ids of pooled buffers whose pages were given back and not used since
 
     def take(self, n: int) -> Any:
         if n < self.min_size or n & (n - 1):
             return bytearray(n)
         with self._lock:
-            self._last_take, self._trimmed = time.monotonic(), False
+            self._last_take = time.monotonic()
             pooled = self._by_size.setdefault(n, [])
             for buf in pooled:
                 if sys.getrefcount(buf) == _FREE_REFS:
+                    self._trimmed.discard(id(buf))
                     return buf
             if self.held + n <= self.capacity:
                 buf = self._allocate(n)
@@ -60,17 +61,20 @@ class BufferPool:
             return bytearray(n)
 
     def trim(self, idle: float) -> int:
-        """Give the pages of unused shared-memory buffers back to the system once nothing was taken for ``idle``
-        seconds (they stay pooled and are refilled with zero pages on next use); returns the bytes given back.
-        Only :func:`mmap.mmap` buffers can: a process keeps what ``bytearray`` buffers its pool holds."""
+        """Give the pages of unused mapped buffers (shared memory, :func:`page_aligned`) back to the system once
+        nothing was taken for ``idle`` seconds (they stay pooled and are refilled with zero pages on next use);
+        returns the bytes given back. Only :func:`mmap.mmap` buffers can: a process keeps what ``bytearray``
+        buffers its pool holds. A buffer let go of after the pool went idle (held writes that a later flush wrote
+        out) is given back by the next call."""
         given = 0
         with self._lock:
-            if self._trimmed or time.monotonic() - self._last_take < idle:
+            if time.monotonic() - self._last_take < idle:
                 return 0
-            self._trimmed = True
             for size, pooled in self._by_size.items():
                 for buf in pooled:
-                    if isinstance(buf, mmap.mmap) and sys.getrefcount(buf) == _FREE_REFS:
+                    if (isinstance(buf, mmap.mmap) and id(buf) not in self._trimmed
+                            and sys.getrefcount(buf) == _FREE_REFS):
+                        self._trimmed.add(id(buf))
                         try:
                             buf.madvise(mmap.MADV_REMOVE)  # shared memory: frees the pages themselves
                         except OSError:

@@ -21,6 +21,8 @@ handshakes and the link state they leave; this module only asks it, per frame, h
 * lent data sections (``lend=True``: chunk writes and their forwards) through shared memory when client and server
   share a host (:mod:`kvfs.transport.shm`, ``$KVFS_SHM``): the frame names where the bytes lie in the client's
   arena and the server copies them out, one memcpy instead of two copies and a TCP stack on each side;
+* answers' data sections (``into=``: chunk reads) to a client on the same host: the request names a buffer in the
+  client's arena, the server writes the data there and the client copies it into ``into`` (``Flags.SHM_REPLY``);
 * large data sections by RDMA (``transport=`` ``auto``/``tcp``/``rdma``, or ``$KVFS_TRANSPORT``): the frame carries
   a descriptor of a registered slab in place of the bytes and the server RDMA-READs/WRITEs it
   (:mod:`kvfs.transport.link`).
@@ -384,6 +386,13 @@ class _Pending:
     error: BaseException | None = None
     dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
     offered: int = 0  # RDMA: how many bytes of it were offered
+    reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
+    reply_offset: int = 0  # its arena offset
+
+
+#: Arena buffers of calls given up on connections that closed before their answers came: a server may write into
+#: them until it notices the close, so they are never reused (rare: a call given up, then its connection lost).
+_ABANDONED_REPLIES: list[Any] = []
 
 
 class _RdmaNotMoved(KvfsError):
@@ -410,6 +419,9 @@ class Connection:
         #: What the handshakes negotiated: how this connection's data sections travel besides TCP.
         self.links = ClientLinks(address, self.call, shared_memory=shared_memory)
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
+        #: arena buffers of calls given up before their answer, which the server may still write: out of the pool
+        #: until the late answer arrives
+        self._held_replies: dict[int, Any] = {}
 
     @property
     def transport(self) -> str:
@@ -456,6 +468,10 @@ class Connection:
     def _close_rdma(self) -> None:
         """Destroy the queue pair first: only then can no server operation touch the held slabs any more."""
         self.links.close()
+        # the server may still write an abandoned call's answer into these until it notices the close, which this
+        # side cannot see: they never go back to the pool
+        _ABANDONED_REPLIES.extend(self._held_replies.values())
+        self._held_replies.clear()
         held, self._held = self._held, {}
         for slabs in held.values():
             for slab in slabs:
@@ -488,6 +504,8 @@ class Connection:
         for pending in self._pending.values():
             pending.error = self._closed
             pending.done.set()
+            if pending.reply is not None:  # unanswered: the server may still write into it (see _close_rdma)
+                _ABANDONED_REPLIES.append(pending.reply)
         self._pending.clear()
 
     def close(self) -> None:
@@ -514,10 +532,13 @@ class Connection:
             if pending is None:  # the caller gave up (deadline); drop the late answer
                 if self._held:
                     self._release_held(header.request_id)
+                self._held_replies.pop(header.request_id, None)
                 await reader.discard(header.data_len)
                 continue
             try:
-                if wire.Flags.RDMA in header.flags:
+                if wire.Flags.SHM_REPLY in header.flags:
+                    self._shm_answer(header, body, pending)
+                elif wire.Flags.RDMA in header.flags:
                     self._rdma_answer(header, body, pending)
                 elif header.type is FrameType.ERROR:
                     err = wire.decode_error(body)
@@ -561,6 +582,20 @@ class Connection:
             target[:] = pending.dst.view[:written]  # the WRITE completed before the server sent this frame
             pending.data = target
 
+    def _shm_answer(self, header: wire.Header, body: memoryview | bytes, pending: _Pending) -> None:
+        """A response whose data section the server wrote into the arena buffer the call named: one copy from
+        there into the caller's buffer (the arena buffer cannot be the caller's own: a call given up may still be
+        written into, see kvfs/transport/README.md)."""
+        if header.type is not FrameType.RESPONSE or header.data_len:
+            raise ProtocolError("a shared-memory answer must be a RESPONSE without a TCP data section")
+        body, offset, length = shm.split_trailer(body, self._limits.max_data)
+        if pending.reply is None or pending.into is None or offset != pending.reply_offset or length > len(pending.into):
+            raise ProtocolError(f"shared-memory answer at [{offset}, +{length}) is not where the call asked")
+        pending.response = wire.decode_body(pending.method.response, body)
+        target = pending.into[:length]
+        target[:] = memoryview(pending.reply)[:length]
+        pending.data = target
+
     def _release_held(self, request_id: int) -> None:
         for slab in self._held.pop(request_id, ()):
             slab.release()
@@ -600,15 +635,20 @@ class Connection:
             if answer is not None:
                 return answer
             # no slab free, or the server could not move the data: this call goes over TCP
-        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         pending = _Pending(method, into)
+        if into is not None and not flags & wire.Flags.SHM and (reply := await self.links.reply_buffer(len(into))):
+            pending.reply, pending.reply_offset = reply
+            body += shm.encode_trailer(pending.reply_offset, len(into))
+            flags |= wire.Flags.SHM_REPLY
+        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         batch = bool(self._pending)  # other calls in flight: their callers are likely sending too
         self._pending[request_id] = pending
         try:
             await self._writer.put([frame, *buffers], batch=batch)
             await pending.done.wait()
         finally:
-            self._pending.pop(request_id, None)
+            if self._pending.pop(request_id, None) is not None and pending.reply is not None:
+                self._held_replies[request_id] = pending.reply  # given up: the server may still write into it
         if pending.error is not None:
             raise pending.error
         return pending.response, pending.data
@@ -1070,6 +1110,11 @@ class RpcServer(TransportChoice):
                 raise ProtocolError("a one-way request cannot move its data by RDMA")
             buffers = None
             shared = 0  # length of a data section in the client's arena
+            reply_to = None  # (offset, capacity) of the client's arena buffer for the answer's data section
+            if wire.Flags.SHM_REPLY in header.flags:
+                if conn.shm is None or oneway or header.flags & (wire.Flags.SHM | wire.Flags.RDMA):
+                    raise ProtocolError("a shared-memory answer asked without a mapped arena, or with another trailer")
+                body, *reply_to = shm.split_trailer(body, self._limits.max_data)
             if wire.Flags.SHM in header.flags:
                 if header.data_len or wire.Flags.RDMA in header.flags:
                     raise ProtocolError("a shared-memory request also carries a TCP or RDMA data section")
@@ -1104,7 +1149,8 @@ class RpcServer(TransportChoice):
                 limiter.acquire_on_behalf_of_nowait(header.request_id)
             except trio.WouldBlock:
                 await limiter.acquire_on_behalf_of(header.request_id)
-            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway)
+            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway,
+                    reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):
                 # more requests already read: their replies join this one in the writer's next writev
                 await self._dispatch(*args, batch=reader.buffered > 0)
@@ -1124,6 +1170,7 @@ class RpcServer(TransportChoice):
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
+        reply_to: list[int] | None = None,
         batch: bool = False,
     ) -> None:
         ctx: CallContext | None = None
@@ -1154,6 +1201,9 @@ class RpcServer(TransportChoice):
                     elif buffers is not None and buffers[1] is not None:
                         assert conn is not None
                         frames = await self._rdma_response(conn, request_id, method, result, buffers[1])
+                    elif reply_to is not None:
+                        assert conn is not None and conn.shm is not None
+                        frames = self._shm_response(conn.shm, request_id, method, result, *reply_to)
                     else:
                         frames = self._response(request_id, method, result)
                 except KvfsError as exc:
@@ -1209,6 +1259,20 @@ class RpcServer(TransportChoice):
         buffers, data_len = _data_buffers(data)
         body = wire.encode_body(message)
         return [wire.encode_frame(FrameType.RESPONSE, request_id, method.id, body, data_len), *buffers]
+
+    def _shm_response(self, arena: shm.PeerArena, request_id: int, method: Method, result: HandlerResult,
+                      offset: int, capacity: int) -> list[Buffer]:
+        """Write the data section into the client's arena buffer it named (then answer with where), or fall back to
+        the TCP response where there is none or it does not fit."""
+        if not isinstance(result, tuple):
+            return self._response(request_id, method, result)
+        message, data = result
+        buffers, data_len = _data_buffers(data)
+        if not 0 < data_len <= capacity:
+            return self._response(request_id, method, result)
+        arena.copy_in(offset, capacity, buffers)
+        body = wire.encode_body(message) + shm.encode_trailer(offset, data_len)
+        return [wire.encode_frame(FrameType.RESPONSE, request_id, method.id, body, 0, wire.Flags.SHM_REPLY)]
 
     async def _rdma_response(
         self, conn: PeerConnection, request_id: int, method: Method, result: HandlerResult, dst: Any

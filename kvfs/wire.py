@@ -63,11 +63,15 @@ class Flags(enum.IntFlag):
     #: The body ends with a shared-memory trailer naming where in the sender's arena the data section lies
     #: (``data_len`` is 0); the receiver copies it from there. See :mod:`kvfs.transport.shm`.
     SHM = 16
+    #: On a REQUEST: the body ends with a shared-memory trailer naming a buffer in the sender's arena (offset,
+    #: capacity) the answer's data section may be written into. On a RESPONSE: the body ends with a trailer
+    #: (offset, length) saying the data section was written there (``data_len`` is 0). See :mod:`kvfs.transport.shm`.
+    SHM_REPLY = 32
 
 
 # Enum construction and Flag arithmetic cost microseconds each: a header is decoded with table lookups instead.
 _FRAME_TYPES = {t.value: t for t in FrameType}
-_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY | Flags.SHM)
+_KNOWN_FLAGS = int(Flags.AUTH_REFUSED | Flags.RDMA | Flags.GOAWAY | Flags.ONEWAY | Flags.SHM | Flags.SHM_REPLY)
 _FLAG_SETS = tuple(Flags(bits) for bits in range(_KNOWN_FLAGS + 1))
 
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from kvfs.meta.types import Attr, Caller, Delegated, DirOp, DirPage, Layout, Opened, StatFs, TimeSpec
+from kvfs.meta.types import (
+    Attr, Caller, Commit, Delegated, DirOp, DirPage, Found, Layout, Opened, StatFs, TimeSpec,
+)
+
+#: Names one batch operation takes at most (``batch_lookup`` ... ``touch_atimes``): a client splits larger
+#: batches, so that one transaction stays bounded.
+MAX_BATCH = 1024
 
 
 class MetaApi(Protocol):
@@ -38,11 +44,14 @@ class MetaApi(Protocol):
         size: int | None = None,
         atime: TimeSpec = None,
         mtime: TimeSpec = None,
+        session: int | None = None,
     ) -> Attr:
         """chmod/chown/truncate/utimens in one.  ``None`` leaves a field alone; times take nanoseconds or
         ``"now"``.  Only the owner (or root) may chmod or set explicit times, only root may give a file away,
         an owner may chgrp to a group it belongs to; chown clears the set-id bits of non-directories; truncate
-        needs write permission."""
+        needs write permission, and so does a mode change by anyone else that only drops set-id bits (what a
+        write makes the kernel ask for). ``session``: the caller's write session on ``ino`` (``ftruncate``):
+        write permission was checked at open, so neither needs it now."""
 
     def create(self, caller: Caller, parent: int, name: bytes | str, mode: int, flags: int = os.O_RDWR) -> Opened:
         """open(O_CREAT): create a regular file, or open the existing one unless ``O_EXCL``. Opening for
@@ -150,3 +159,29 @@ class MetaApi(Protocol):
         by an earlier try of the same batch, so a client may send a batch again after losing an answer); a
         change that fails changes nothing. ENOLCK, with nothing applied, when the client no longer holds that
         grant: it gave it back, or it lapsed and another client has used the directory since (which broke it)."""
+
+    def batch_lookup(self, caller: Caller, parent: int, names: list[bytes]) -> list[Found | None]:
+        """:meth:`lookup` of many names in ``parent`` in one transaction: each one's attributes and, for a
+        file, its layout (what a reader needs before its chunk I/O), or None where there is no such name."""
+
+    def begin_puts(self, caller: Caller, parent: int, puts: list[tuple[bytes, bytes]],
+                   mode: int) -> list[Opened | None]:
+        """The first half of write-once puts into ``parent``, in one transaction: for each ``(name, temp)``,
+        None when ``name`` exists (a value written once needs no rewrite), else the temporary file ``temp``
+        created as ``create(O_EXCL)`` would, with a write session."""
+
+    def commit_puts(self, caller: Caller, parent: int, commits: list[Commit]) -> list[int]:
+        """The second half, in one transaction, once all bytes are on every replica: per commit the write
+        session ends at the exact length and the temporary file is renamed onto its name with RENAME_NOREPLACE
+        (0). -EEXIST: the name appeared since (another put won); the temporary file is removed and the first
+        value stands. Another -errno: the temporary file is no longer the one begun (-ENOENT: removed as an
+        orphan; -EBADF: its session ended when the client's lease lapsed)."""
+
+    def batch_unlink(self, caller: Caller, parent: int, names: list[bytes]) -> list[int]:
+        """:meth:`unlink` of many names in ``parent`` in one transaction: 0 or -errno per name."""
+
+    def touch_atimes(self, caller: Caller, parent: int, names: list[bytes]) -> int:
+        """Set the access time of names in ``parent`` to now: accesses a client recorded and sends together,
+        so that a read costs no metadata write of its own (eviction orders by them). Like utimens(UTIME_NOW)
+        it needs ownership or write permission; names gone or not allowed are skipped. Returns how many were
+        set."""

@@ -20,7 +20,7 @@ from kvfs.meta.types import Attr, Caller, Inode, Layout, TimeSpec
 ROOT_INO = 1
 NAME_MAX = 255
 PATH_MAX = 4096
-LINK_MAX = 65000  # ext4's limit
+LINK_MAX = 65000  # hard links to a file, as ext4; a directory's subdirectories are not limited (ext4's dir_nlink)
 SYMLOOP_MAX = 40
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 64 * 1024
@@ -61,13 +61,23 @@ def is_dir(inode: Inode) -> bool:
 
 
 def kill_suid(caller: Caller, attr: Attr) -> None:
-    """What a write or truncate by an unprivileged caller does to set-id bits (Linux
-    ``file_remove_privs``): drop setuid, and setgid when group-exec is set."""
+    """What a write or truncate by a caller without CAP_FSETID (anyone but root) does to set-id bits, as Linux's
+    ``setattr_should_drop_suidgid``: drop setuid; drop setgid where group execute is set (a set-gid executable),
+    or where the caller is not in the file's group (it could not have set the bit itself)."""
     if caller.uid == 0 or not attr.mode & _KILL_SUID:
         return
     attr.mode &= ~stat.S_ISUID
-    if attr.mode & stat.S_IXGRP:
+    if attr.mode & stat.S_IXGRP or not caller.in_group(attr.gid):
         attr.mode &= ~stat.S_ISGID
+
+
+def clears_only_set_id(old_mode: int, new_mode: int) -> bool:
+    """Whether ``new_mode`` is ``old_mode`` with some of its set-id bits dropped and nothing else changed: what the
+    kernel asks a FUSE filesystem for, in the writer's name, after a write or truncate (FUSE leaves clearing the
+    bits to the filesystem), so a writer who does not own the file may ask for it."""
+    old, new = stat.S_IMODE(old_mode), stat.S_IMODE(new_mode)
+    dropped = old & ~new
+    return new & ~old == 0 and dropped != 0 and dropped & ~_KILL_SUID == 0
 
 
 def require_access(caller: Caller, attr: Attr, want: int) -> None:
@@ -110,7 +120,10 @@ def child_attr(caller: Caller, parent: Attr, layout: Layout, mode: int, ino: int
         gid = parent.gid
         if is_dir:
             perm |= stat.S_ISGID
-    if not is_dir and perm & stat.S_ISGID and caller.uid != 0 and not caller.in_group(gid):
+    # Linux's mode_strip_sgid: a set-gid executable for a group its maker is not in would run with that group's
+    # rights; set-gid without group execute (mandatory locking's old mark) is harmless and stays
+    executable_sgid = stat.S_ISGID | stat.S_IXGRP
+    if not is_dir and perm & executable_sgid == executable_sgid and caller.uid != 0 and not caller.in_group(gid):
         perm &= ~stat.S_ISGID
     blksize = layout.chunk_size
     own_layout: Layout | None = layout

@@ -56,6 +56,11 @@ OPERATIONS: tuple[tuple[str, bool], ...] = (
     ("delegate", False),
     ("undelegate", True),
     ("apply_delegated", False),
+    ("batch_lookup", True),
+    ("begin_puts", False),
+    ("commit_puts", False),
+    ("batch_unlink", False),
+    ("touch_atimes", True),
 )
 METHOD_BASE = 100
 

@@ -32,8 +32,8 @@ from kvfs.meta.components.leases import ClientLeases
 from kvfs.meta.components.sessions import Sessions
 from kvfs.meta.delegation import DELEGATION_SECONDS, DelegationHeld
 from kvfs.meta.feed import FeedDatabase
+from kvfs.meta.ops.batches import BatchOps
 from kvfs.meta.ops.delegated import DelegationOps
-from kvfs.meta.ops.files import FileOps
 from kvfs.meta.ops.xattrs import XattrOps
 from kvfs.meta.posix import (  # the POSIX constants callers of the store use, importable with it
     LAYOUT_XATTR, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, XATTR_CREATE, XATTR_REPLACE,
@@ -49,7 +49,7 @@ __all__ = [
 SpaceFn = Callable[[], tuple[int, int]]
 
 
-class MetaStore(FileOps, XattrOps, DelegationOps):
+class MetaStore(BatchOps, XattrOps, DelegationOps):
     """The metadata service's logic; any number of instances may share one KV store."""
 
     def __init__(

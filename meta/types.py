@@ -133,6 +133,25 @@ class Opened(msgspec.Struct):
     hold: int | None = None
 
 
+class Found(msgspec.Struct):
+    """A name :meth:`~kvfs.meta.api.MetaApi.batch_lookup` found: its attributes and, for a file, its layout (so
+    a reader needs no further round trip before its chunk I/O)."""
+
+    attr: Attr
+    layout: Layout | None = None
+
+
+class Commit(msgspec.Struct, array_like=True):
+    """One put for :meth:`~kvfs.meta.api.MetaApi.commit_puts`: temporary file ``temp`` (inode ``ino``, written
+    under write session ``session``) holds all ``length`` bytes and becomes ``name``."""
+
+    temp: bytes
+    name: bytes
+    ino: int
+    session: int
+    length: int
+
+
 class Session(msgspec.Struct):
     """An open session (key ``("meta", "s", ino, session)``): a write-open's, or a read-only open's hold, which
     only keeps the file (and its chunks) from garbage collection once its last name is gone."""

@@ -90,9 +90,9 @@ class KvfsCluster:
                                  f"stderr:\n{r.stderr}\n{self.log_tails()}")
         return r
 
-    def up(self, **kw) -> subprocess.CompletedProcess[str]:
+    def up(self, *options: str, **kw) -> subprocess.CompletedProcess[str]:
         return self.kvfs("up", "--data", str(self.data), "--mount", str(self.mount),
-                         "--chunkservers", str(self.chunkservers), "--replicas", str(self.replicas), **kw)
+                         "--chunkservers", str(self.chunkservers), "--replicas", str(self.replicas), *options, **kw)
 
     def down(self, **kw) -> subprocess.CompletedProcess[str]:
         return self.kvfs("down", "--data", str(self.data), **kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,3 +28,15 @@ def db(tmp_path: Path) -> Iterator[SqliteDatabase]:
     database = SqliteDatabase(str(tmp_path / "meta.db"))
     yield database
     database.close()
+
+
+@pytest.fixture
+def local_dir() -> Iterator[Path]:
+    """A world-searchable directory on local disk, to run the same calls on as on a mount (pytest's tmp dirs are
+    0700: no use for another uid)."""
+    path = Path(tempfile.mkdtemp(prefix="kvfs-local-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -179,8 +179,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--write-buffer", type=int, default=8 << 20)
     p.add_argument("--fail-writes-from", type=int, default=None)
     p.add_argument("--write-jitter", type=float, default=0.0)
+    p.add_argument("--link-max", type=int, default=None, help="tests: meta's limit on a file's hard links")
     p.add_argument("--debug", action="store_true")
     a = p.parse_args(argv)
+    if a.link_max is not None:
+        from kvfs.meta.ops import entries
+
+        entries.LINK_MAX = a.link_max
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.WARNING, stream=sys.stderr)
     trio.run(serve, a.mountpoint, a.state_dir, a.chunk_size, a.write_buffer,
              {"fail_writes_from": a.fail_writes_from, "write_jitter": a.write_jitter})
@@ -332,3 +337,35 @@ def run_as(uid: int, gid: int, fn, *args, groups: tuple[int, ...] = ()):
     if kind == "exc":
         raise AssertionError(f"child raised {value}")
     return value if kind == "ok" else ("errno", value)
+
+
+# ------------------------------------------------------------ comparing the mount with local disk
+_libc = None
+AT_FDCWD = -100
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def renameat2(old, new, flags: int) -> None:
+    """renameat2(2), which Python's os module lacks."""
+    import ctypes
+
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def outcome(fn, *args):
+    """("ok", result) or ("err", "ENAME"): comparable across filesystems, readable in a diff."""
+    try:
+        return ("ok", fn(*args))
+    except OSError as e:
+        return ("err", errno.errorcode.get(e.errno, e.errno))
+
+
+def compare(local: dict, mounted: dict) -> None:
+    """Every case's outcome on the mount is the one on local disk."""
+    diff = [f"  {k}: local {local[k]!r} / kvfs {mounted.get(k)!r}" for k in local if local[k] != mounted.get(k)]
+    assert not diff, "kvfs differs from the local filesystem:\n" + "\n".join(diff)

@@ -26,6 +26,7 @@ from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, f
 from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
 from kvfs.pool import BufferPool, page_aligned
+from tmpfs import tmpfs
 
 CS = 1 << 20
 C = ChunkId(7, 0)
@@ -210,6 +211,29 @@ def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_pat
         assert e.local_location(f)[1] == first
     with ChunkEngine(tmp_path / "t") as e:
         assert [content(e, x) for x in (C, d, f)] == [b"b" * 100, b"c" * 100, b"d" * 100]
+
+
+def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path) -> None:
+    """A short-circuit reader reads the slot file while the server holds the pin: a newer version's commit must not
+    let another chunk reuse the slot before ``release()``; afterwards it may."""
+    d = ChunkId(8, 0)
+    data = os.urandom(3 * BLOCK + 5)
+    with ChunkEngine(tmp_path / "t", fsync=False) as e:
+        put(e, C, 1, 0, data)
+        loc = e.pin_location(C, 1, BLOCK + 3, BLOCK)
+        assert (loc.version, loc.length, loc.first_block) == (1, len(data), 1)
+        assert loc.block_crcs == [crc32c(data[BLOCK : 2 * BLOCK]), crc32c(data[2 * BLOCK : 3 * BLOCK])]
+        put(e, C, 2, 0, b"x" * 100)  # replaces v1: its slot is retired, but pinned
+        put(e, d, 1, 0, os.urandom(len(data)))
+        assert e.local_location(d)[1] != loc.offset
+        with open(loc.path, "rb") as f:
+            assert os.pread(f.fileno(), len(data), loc.offset) == data
+        loc.release()
+        put(e, ChunkId(9, 0), 1, 0, b"y" * len(data))
+        assert e.local_location(ChunkId(9, 0))[1] == loc.offset
+        with pytest.raises(KvfsError) as err:
+            e.pin_location(C, 1, 0, 10)
+        assert err.value.errno == errno.ENOENT
 
 
 def unsynced(root: Path) -> list[tuple[int, int, int]]:
@@ -740,3 +764,36 @@ def test_small_reads_work_on_tmpfs_where_the_page_cache_flag_is_refused(tmp_path
             assert bytes(e.read(C, 0, 3 * BLOCK)[0]) == data
     finally:
         shutil.rmtree(base)
+
+
+def test_reserve_refuses_growth_and_freed_slots_of_any_size_count_as_room() -> None:
+    """Slot files stop growing where the file system would keep less than the reserve free: a write then fails
+    with ENOSPC and leaves what was stored intact, and once chunks are removed their slots take new versions,
+    smaller ones included (issue 28, item 2)."""
+    with tmpfs("64M") as fs:
+        with ChunkEngine(fs / "t", fsync=False, reserve_bytes=16 << 20) as e:
+            big = os.urandom(4 << 20)
+            stored = 0
+            with pytest.raises(KvfsError) as ei:
+                for i in range(64):
+                    e.write_pending(ChunkId(1, i), 1, 0, big, crc32c(big), chunk_size=4 << 20)
+                    e.commit(ChunkId(1, i), 1)
+                    stored += 1
+            assert ei.value.errno == errno.ENOSPC and "leaves 16 MiB" in ei.value.message
+            st = os.statvfs(fs)
+            assert st.f_bavail * st.f_frsize >= 16 << 20  # the reserve stayed free
+            assert stored >= 8 and e.space()[2] < 4 << 20
+            assert bytes(e.read(ChunkId(1, 0), 0, 4 << 20)[0]) == big
+            small = b"s" * 1000
+            with pytest.raises(KvfsError) as ei:  # the last MiBs above the reserve go to small versions
+                for i in range(64):
+                    put(e, ChunkId(4, i), 1, 0, small)
+            assert ei.value.errno == errno.ENOSPC
+            e.remove_files([1])
+            assert e.space()[2] >= stored * (4 << 20)
+            put(e, ChunkId(2, 0), 1, 0, small)  # into a freed 4 MiB slot
+            e.write_pending(ChunkId(3, 0), 1, 0, big, crc32c(big), chunk_size=4 << 20)
+            e.commit(ChunkId(3, 0), 1)
+        with ChunkEngine(fs / "t", fsync=False, reserve_bytes=16 << 20) as e:  # rows keep the slot's class
+            assert content(e, ChunkId(2, 0)) == small
+            assert bytes(e.read(ChunkId(3, 0), 0, 4 << 20)[0]) == big

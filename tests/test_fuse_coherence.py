@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 
 import pyfuse3
+import pytest
 
 from kvfs.fuse.coherence import STARTED, UNKNOWN, Coherence
 from kvfs.meta.types import Change, ChangePage
@@ -109,3 +110,25 @@ def test_a_listing_read_from_meta_counts_only_if_no_other_client_touched_the_dir
     c.forget_listings()
     token = c.begin_listing(5)
     assert not c.end_listing(5, token, None) and c.begin_listing(5) is not None  # a failed read keeps nothing
+
+
+def test_a_name_over_name_max_is_enametoolong_even_where_a_kept_listing_answers_absent_names(tmp_path):
+    """A kernel may pass names up to 1024 bytes to lookup (this one stops them itself, so the mount tests cannot
+    reach this): the mount must not answer ENOENT from a complete listing, where no name that long can be."""
+    import trio
+
+    from fuse_harness import build
+    from kvfs.fuse.ops import KvfsOperations
+
+    meta, storage, engine = build(tmp_path)
+    try:
+        ops = KvfsOperations(meta, storage)
+        assert ops.coherence is not None
+        ops.coherence.live = True
+        ops.coherence.listing_made(1)  # the root's listing is complete: absent names are answered here
+        assert trio.run(ops.lookup, 1, b"n" * 255, None).st_ino == 0  # absent: a negative entry from the listing
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            trio.run(ops.lookup, 1, b"n" * 256, None)
+        assert info.value.errno == errno.ENAMETOOLONG
+    finally:
+        engine.close()

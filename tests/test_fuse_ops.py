@@ -6,7 +6,6 @@ engine); one mount serves the module, each test works in its own directory.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import stat
@@ -14,7 +13,7 @@ import time
 
 import pytest
 
-from fuse_harness import fresh_dir, run_as, running_mount
+from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, fresh_dir, renameat2, run_as, running_mount
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"
@@ -112,17 +111,6 @@ def test_symlink_readlink_and_hard_links(d):
     assert err(os.link, d / "hard", d / "ln") == errno.EEXIST
     os.mkdir(d / "dir")
     assert err(os.link, d / "dir", d / "dirlink") == errno.EPERM
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-AT_FDCWD = -100
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-
-
-def renameat2(old, new, flags: int) -> None:
-    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
 
 
 def test_rename_plain_and_flags(d):

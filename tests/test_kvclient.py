@@ -11,6 +11,7 @@ import random
 import threading
 
 import pytest
+import trio
 
 from cluster_fixtures import NEEDS_FUSE
 from kvfs.errors import KvfsError
@@ -69,7 +70,7 @@ def test_numpy_registered_buffer_and_too_small(kv) -> None:
     with pytest.raises(TypeError):
         kv.get_into("np", b"\0" * 8000)  # read-only
     with pytest.raises(ValueError):
-        kv.register_buffer(1234, 10, device="cuda:0")
+        kv.register_buffer(1234, 10, device="tpu")
 
 
 def test_batches_prefix_hits_remove(kv) -> None:
@@ -226,17 +227,58 @@ def test_bad_config(tmp_path) -> None:
         KVClient.from_config(tmp_path / "empty.toml", "ns")
 
 
-def test_a_put_that_loses_the_rename_race_keeps_the_winner(kv, kvfs_cluster, ns, monkeypatch) -> None:
-    """The existence check missed (as when two puts race): the rename's EEXIST is success, the temp file goes."""
-    kv.put("won", b"winner")
-    core = kv._core
-    real_lookup = core._lookup
+def test_a_put_that_loses_the_commit_race_keeps_the_winner(kv, kvfs_cluster, ns, monkeypatch) -> None:
+    """Another client commits the key between this put's begin and commit: the commit's EEXIST is success, the
+    winner's value stays and this put's temporary file goes."""
+    real_commit = kv._core.meta.commit_puts
 
-    async def blind_lookup(key: bytes):
-        return None if key == b"won" else await real_lookup(key)
+    def rival_put() -> None:
+        with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as rival:
+            rival.put("won", b"winner")
 
-    monkeypatch.setattr(core, "_lookup", blind_lookup)
+    async def commit_after_a_rival(caller, parent, commits):
+        await trio.to_thread.run_sync(rival_put)
+        return await real_commit(caller, parent, commits)
+
+    monkeypatch.setattr(kv._core.meta, "commit_puts", commit_after_a_rival)
     kv.put("won", b"loser, longer than the winner")
     monkeypatch.undo()
     assert kv.get("won") == b"winner"
     assert sorted(os.listdir(kvfs_cluster.mount / "kvcache" / ns)) == ["won"]
+
+
+def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
+    """Counted at the client's RPC to meta: a batch of any size (here over MAX_BATCH keys for puts: two parts)
+    costs one round trip for exists, prefix hits, gets and removes, and two per part for puts."""
+    from kvfs.meta.api import MAX_BATCH
+
+    kv.put("warm", b"x")  # the namespace directory exists and is known
+    sent: list[str] = []
+    real_call = kv._core.meta._call
+
+    async def counting(method, request):
+        if method.name not in ("meta.renew_client", "meta.touch_atimes"):  # background: lease, access times
+            sent.append(method.name)
+        return await real_call(method, request)
+
+    monkeypatch.setattr(kv._core.meta, "_call", counting)
+
+    def count(fn, *args):
+        sent.clear()
+        result = fn(*args)
+        return result, list(sent)
+
+    keys = [f"k{i}" for i in range(40)]
+    values = [_payload(1000 + i, i) for i in range(40)]
+    assert count(kv.batch_put, keys, values) == ([0] * 40, ["meta.begin_puts", "meta.commit_puts"])
+    assert count(kv.batch_exists, keys + ["nope"]) == ([True] * 40 + [False], ["meta.batch_lookup"])
+    assert count(kv.prefix_hits, keys[:10] + ["nope"] + keys[10:]) == (10, ["meta.batch_lookup"])
+    outs = [bytearray(2000) for _ in keys]
+    assert count(kv.batch_get_into, keys, outs) == ([1000 + i for i in range(40)], ["meta.batch_lookup"])
+    assert all(bytes(o[:1000 + i]) == values[i] for i, o in enumerate(outs))
+    assert count(kv.get, "k3") == (values[3], ["meta.batch_lookup"])  # a single get: one as well
+    assert count(kv.get_into, "k4", outs[0]) == (1004, ["meta.batch_lookup"])
+    assert count(kv.batch_put, keys, values) == ([0] * 40, ["meta.begin_puts"])  # all exist: nothing to commit
+    many = [f"m{i}" for i in range(MAX_BATCH + 1)]
+    assert count(kv.batch_put, many, [b"v"] * len(many))[1] == ["meta.begin_puts"] * 2 + ["meta.commit_puts"] * 2
+    assert count(kv.batch_remove, keys + ["nope"]) == ([0] * 40 + [-errno.ENOENT], ["meta.batch_unlink"])

@@ -142,6 +142,31 @@ async def test_a_retried_non_idempotent_call_runs_once_and_gets_the_first_answer
         assert (await client.call(first, mkdir.method, request)).value.ino > 0
 
 
+async def test_a_retried_batch_put_begins_and_commits_once(meta_addresses):
+    """kvclient's two batch calls over RPC, each sent again after a lost answer (to the other instance): the
+    retries return the first answers instead of creating a second temporary file or reporting EEXIST."""
+    from kvfs.meta.rpc import OPS
+    from kvfs.meta.types import Commit
+
+    async with RpcClient(TOKEN) as client:
+        first, second = meta_addresses
+        meta = RemoteMeta(client, [first])
+        d = await meta.mkdir(ROOT, 1, b"batch", 0o755)
+        begin, commit = OPS["begin_puts"], OPS["commit_puts"]
+        request = begin.request(ROOT, (d.ino, [(b"a", b".put-a"), (b"b", b".put-b")], 0o644), {}, b"op-b1")
+        opened = (await client.call(first, begin.method, request)).value
+        again = (await client.call(second, begin.method, msgspec.structs.replace(request, op_retry=True))).value
+        assert [o.attr.ino for o in again] == [o.attr.ino for o in opened]
+        commits = [Commit(b".put-" + k, k, o.attr.ino, o.session, 5) for k, o in zip((b"a", b"b"), opened)]
+        request = commit.request(ROOT, (d.ino, commits), {}, b"op-c1")
+        assert (await client.call(first, commit.method, request)).value == [0, 0]
+        retried = await client.call(second, commit.method, msgspec.structs.replace(request, op_retry=True))
+        assert retried.value == [0, 0]  # not EEXIST: the first answer
+        found = await meta.batch_lookup(ROOT, d.ino, [b"a", b"b", b".put-a"])
+        assert [f and f.attr.size for f in found] == [5, 5, None]
+        assert [e.name for e in (await meta.readdir(ROOT, d.ino)).entries] == [b"a", b"b"]
+
+
 async def test_watch_wakes_at_another_clients_change_on_either_instance(meta_addresses):
     """The feed's long poll: a change through the same instance wakes the watcher at once, one through the other
     instance within its poll; the watcher's own changes never wake it; an idle watch ends empty at its wait."""

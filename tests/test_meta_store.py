@@ -8,12 +8,15 @@ import os
 import stat
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvfs.errors import KvfsError
 from kvfs.meta.api import MetaApi
 from kvfs.meta.ops import entries as entry_ops
 from kvfs.meta.chunks import MemoryChunkRemover
 from kvfs.meta.fsck import check
+from kvfs.meta.posix import clears_only_set_id
 from kvfs.kv.keys import pack
 from kvfs.chunkserver.placement import chunk_chain, permutation, splitmix64
 from kvfs.meta.store import (
@@ -153,8 +156,11 @@ def test_link_and_emlink(ms, monkeypatch):
     monkeypatch.setattr(entry_ops, "LINK_MAX", 3)
     ms.link(ALICE, f.ino, ROOT_INO, b"h")
     fails(errno.EMLINK, ms.link, ALICE, f.ino, ROOT_INO, b"i")
-    ms.mkdir(ALICE, d.ino, b"sub", 0o755)
-    fails(errno.EMLINK, ms.mkdir, ALICE, d.ino, b"sub2", 0o755)
+    for i in range(4):  # subdirectories are not limited (ext4's dir_nlink): the count goes on
+        ms.mkdir(ALICE, d.ino, f"sub{i}", 0o755)
+    ms.mkdir(ALICE, ROOT_INO, b"moved", 0o755)
+    ms.rename(ALICE, ROOT_INO, b"moved", d.ino, b"moved")
+    assert ms.getattr(ALICE, d.ino).nlink == 2 + 5
     ms.unlink(ALICE, ROOT_INO, b"f")
     assert ms.lookup(ALICE, ROOT_INO, b"g").nlink == 2
 
@@ -243,6 +249,39 @@ def test_write_clears_setuid(ms):
     assert a.size == 10 and not a.mode & (stat.S_ISUID | stat.S_ISGID)
     ms.setattr(ROOT, o.attr.ino, mode=0o6777)
     assert ms.report_length(ROOT, o.attr.ino, o.session, 5).mode & stat.S_ISUID  # root keeps them
+    ms.setattr(ROOT, o.attr.ino, mode=0o2767)  # set-gid without group execute: kept for a member of the group
+    assert ms.report_length(CAROL, o.attr.ino, ms.open(CAROL, o.attr.ino, os.O_WRONLY).session, 5).mode & stat.S_ISGID
+    assert not ms.report_length(BOB, o.attr.ino, other.session, 5).mode & stat.S_ISGID  # dropped for anyone else
+
+
+def test_a_writer_may_drop_set_id_bits_of_a_file_it_does_not_own(ms):
+    """What the kernel asks for, in the writer's name, before a write or truncate through FUSE."""
+    f = ms.mknod(ALICE, ROOT_INO, b"f", stat.S_IFREG | 0o6777).ino
+    assert stat.S_IMODE(ms.setattr(CAROL, f, mode=0o2777).mode) == 0o2777
+    ms.setattr(ALICE, f, mode=0o6777)
+    assert stat.S_IMODE(ms.setattr(BOB, f, mode=0o2777).mode) == 0o777  # set-gid goes too: not in the group
+    fails(errno.EPERM, ms.setattr, BOB, f, mode=0o775)  # anything more is a chmod: the owner's
+    fails(errno.EPERM, ms.setattr, BOB, f, mode=0o4777)
+    ms.setattr(ALICE, f, mode=0o6755)
+    fails(errno.EACCES, ms.setattr, BOB, f, mode=0o755)  # not a writer
+    d = ms.mkdir(ALICE, ROOT_INO, b"d", 0o2777).ino
+    fails(errno.EPERM, ms.setattr, BOB, d, mode=0o777)  # only files lose set-id bits to writes
+
+
+@given(st.integers(0, 0o7777), st.integers(0, 0o7777))
+def test_a_writer_may_ask_for_exactly_the_modes_with_set_id_bits_dropped(old, new):
+    dropped = {old & ~bits for bits in (stat.S_ISUID, stat.S_ISGID, stat.S_ISUID | stat.S_ISGID)} - {old}
+    assert clears_only_set_id(stat.S_IFREG | old, stat.S_IFREG | new) == (new in dropped)
+
+
+def test_truncate_through_a_write_session_needs_no_write_permission_now(ms):
+    o = ms.create(BOB, ROOT_INO, b"f", 0, os.O_RDWR)  # mode 0, opened for writing: ftruncate works
+    assert ms.setattr(BOB, o.attr.ino, size=10, session=o.session).size == 10
+    fails(errno.EACCES, ms.setattr, BOB, o.attr.ino, size=0)  # truncate(2) by name checks the mode
+    reader = ms.open(ROOT, o.attr.ino, os.O_RDONLY, hold=True)
+    fails(errno.EBADF, ms.setattr, BOB, o.attr.ino, size=0, session=reader.hold)  # a hold is no write session
+    other = ms.mknod(BOB, ROOT_INO, b"g", stat.S_IFREG | 0o600).ino
+    fails(errno.EBADF, ms.setattr, BOB, other, size=0, session=o.session)  # another file's session
 
 
 # ----------------------------------------------------------------------------- rename ----------

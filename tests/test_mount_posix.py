@@ -2,9 +2,9 @@
 
 Two parts:
 
-* The bodies of ``test_fuse_ops.py`` and ``test_fuse_io.py`` (written against the in-process harness) run here
-  unchanged against ``kvfs up``'s mount: the functions are imported, and this module's ``mount`` and ``d``
-  fixtures point them at the shared cluster (pytest resolves fixtures where a test is collected).
+* The bodies of ``test_fuse_ops.py``, ``test_fuse_io.py`` and ``test_mount_posix_edges.py`` (written against the
+  in-process harness) run here unchanged against ``kvfs up``'s mount: the functions are imported, and this
+  module's ``mount`` and ``d`` fixtures point them at the shared cluster (pytest resolves fixtures where a test is collected).
 * What those do not cover: the same operations done on local disk and on the mount, compared outcome by
   outcome (errno names included) for root and for an unprivileged caller (uid 1000); mknod of every type,
   FIFOs that carry data, RENAME_EXCHANGE of a file and a directory, statfs against the chunk servers'
@@ -13,15 +13,12 @@ Two parts:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import os
 import stat
 import subprocess
 import sys
-import tempfile
-import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,9 +27,10 @@ import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import NEEDS_FUSE, chunks_held, wait_until  # noqa: E402
-from fuse_harness import run_as  # noqa: E402
+from fuse_harness import RENAME_EXCHANGE, RENAME_NOREPLACE, compare, outcome, renameat2, run_as  # noqa: E402
 
 import test_fuse_io as io_suite  # noqa: E402
+import test_mount_posix_edges as edges_suite  # noqa: E402
 import test_fuse_ops as ops_suite  # noqa: E402
 
 pytest_plugins = ["cluster_fixtures"]
@@ -82,43 +80,26 @@ test_posix_locks_within_the_mount = io_suite.test_posix_locks_within_the_mount
 test_fallocate_not_supported_or_emulated = io_suite.test_fallocate_not_supported_or_emulated
 test_unlinked_open_file_stays_readable = io_suite.test_unlinked_open_file_stays_readable
 
+test_names_over_name_max_are_enametoolong_everywhere = edges_suite.test_names_over_name_max_are_enametoolong_everywhere
+test_a_name_of_name_max_bytes_works = edges_suite.test_a_name_of_name_max_bytes_works
+test_writers_clear_set_id_bits_as_linux_does = edges_suite.test_writers_clear_set_id_bits_as_linux_does
+test_root_keeps_set_id_bits_on_write_and_chown_clears_them = edges_suite.test_root_keeps_set_id_bits_on_write_and_chown_clears_them
+test_owner_clears_set_id_bits_of_own_file_on_write = edges_suite.test_owner_clears_set_id_bits_of_own_file_on_write
+test_ftruncate_through_a_writable_descriptor_ignores_the_mode = edges_suite.test_ftruncate_through_a_writable_descriptor_ignores_the_mode
+test_hard_link_and_rename_corner_cases = edges_suite.test_hard_link_and_rename_corner_cases
+test_sticky_directories = edges_suite.test_sticky_directories
+test_utimensat_now_and_omit_by_non_owners = edges_suite.test_utimensat_now_and_omit_by_non_owners
+test_o_trunc_and_o_append = edges_suite.test_o_trunc_and_o_append
+test_statfs_figures_are_consistent = edges_suite.test_statfs_figures_are_consistent
+test_xattr_flags_and_namespaces = edges_suite.test_xattr_flags_and_namespaces
+test_modes_of_new_inodes_and_moved_directories = edges_suite.test_modes_of_new_inodes_and_moved_directories
+test_symlink_times_and_ownership = edges_suite.test_symlink_times_and_ownership
+test_which_times_each_call_moves = edges_suite.test_which_times_each_call_moves
+test_rules_hold_in_a_directory_the_mount_answers_for = edges_suite.test_rules_hold_in_a_directory_the_mount_answers_for
+test_special_files_and_trailing_slashes = edges_suite.test_special_files_and_trailing_slashes
+
 
 # ------------------------------------------------------------------------------------------ helpers
-_libc = ctypes.CDLL(None, use_errno=True)
-AT_FDCWD = -100
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
-
-
-def renameat2(old, new, flags: int) -> None:
-    if _libc.renameat2(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, os.strerror(e))
-
-
-def outcome(fn, *args):
-    """("ok", result) or ("err", "ENAME"): comparable across filesystems, readable in a diff."""
-    try:
-        return ("ok", fn(*args))
-    except OSError as e:
-        return ("err", errno.errorcode.get(e.errno, e.errno))
-
-
-def compare(local: dict, mounted: dict) -> None:
-    diff = [f"  {k}: local {local[k]!r} / kvfs {mounted.get(k)!r}" for k in local if local[k] != mounted.get(k)]
-    assert not diff, "kvfs differs from the local filesystem:\n" + "\n".join(diff)
-
-
-@pytest.fixture
-def local_dir():
-    """A world-searchable directory on local disk (pytest's tmp dirs are 0700: no use for uid 1000)."""
-    path = Path(tempfile.mkdtemp(prefix="kvfs-local-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def read(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()

@@ -66,3 +66,15 @@ def test_received_buffers_are_page_aligned_and_trim_gives_their_pages_back():
     del buf
     assert pool.trim(idle=0) == MIB  # private memory: given back with MADV_DONTNEED, reads as zeros again
     assert pool.take(MIB)[:4] == bytes(4)
+
+
+def test_a_buffer_let_go_of_after_a_trim_is_given_back_by_the_next_one():
+    """Held writes keep their buffers until a flush, which may come after the pool went idle and was trimmed."""
+    pool = BufferPool(capacity=4 * MIB, allocate=page_aligned)
+    held, free = pool.take(MIB), pool.take(MIB)
+    del free
+    assert pool.trim(idle=0) == MIB  # only the free one
+    assert pool.trim(idle=0) == 0  # nothing new to give back
+    del held  # a flush wrote it out
+    assert pool.trim(idle=0) == MIB
+    assert pool.trim(idle=60) == 0  # and never before the pool has been idle that long

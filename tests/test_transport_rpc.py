@@ -318,7 +318,7 @@ def test_wire_accepts_the_rdma_flag_and_no_unknown_one():
     frame = wire.encode_frame(wire.FrameType.REQUEST, 1, 1, b"x", 0, wire.Flags.RDMA)
     assert wire.decode_header(frame[: wire.HEADER_SIZE], Limits()).flags == wire.Flags.RDMA
     bad = bytearray(frame)
-    bad[6] = 32  # the first bit no flag uses
+    bad[6] = 64  # the first bit no flag uses
     with pytest.raises(ProtocolError, match="unknown flags"):
         wire.decode_header(bytes(bad[: wire.HEADER_SIZE]), Limits())
 

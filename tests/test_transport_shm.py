@@ -387,3 +387,66 @@ def test_idle_shared_buffers_give_their_pages_back_and_stay_usable(arena):
     again = pool.take(4 * MIB)
     assert id(again) == idle_id and again[:4] == bytes(4)  # its pages came back as zeros
     assert isinstance(BufferPool().take(MIB), bytearray) and BufferPool().trim(idle=0) == 0
+
+
+# ------------------------------------------------------------------- answers' data through shared memory
+
+READ = Method(9113, "test.shm_read", Req, Resp, idempotent=True)
+
+
+async def start_reader(nursery, payload: bytes | memoryview, *, delay: float = 0.0, **kw) -> tuple[RpcServer, str]:
+    """A server whose READ answers with ``payload`` as its data section (after ``delay`` seconds)."""
+    server = RpcServer(TOKEN, limits=Limits(max_data=8 * MIB), **kw)
+
+    async def read(req: Req, data, ctx):
+        await trio.sleep(delay)
+        return Resp(len(payload), b""), payload
+
+    server.register(READ, read)
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_answers_data_is_written_into_the_clients_arena(nursery):
+    payload = pattern(3 * MIB + 5, 7)  # bytes: a read-only source, as a loan of a mapped slot file is
+    server, address = await start_reader(nursery, payload, shared_memory=True)
+    before = shm_bytes()
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        into = memoryview(bytearray(4 * MIB))
+        resp, data = await client.call_with_data(address, READ, Req(), into=into)
+        assert resp.got == len(payload) and bytes(data) == payload and data.obj is into.obj  # in the caller's buffer
+        assert shm_bytes() - before == len(payload)  # none of it over TCP
+        small = memoryview(bytearray(shm.SHM_MIN_BYTES - 1))  # too small to be worth it: TCP
+        _, data = await client.call_with_data(address, READ, Req(), into=small)
+        assert bytes(data) == payload
+        assert shm_bytes() - before == len(payload)
+
+
+async def test_a_server_that_writes_no_answers_into_arenas_answers_over_tcp(nursery):
+    payload = pattern(MIB, 8)
+    server, address = await start_reader(nursery, payload, shared_memory=True)
+
+    async def older(offer, data, ctx):  # a server from before SHM_REPLY: maps the arena, answers without `replies`
+        accept = await server._shm_connect(offer, data, ctx)
+        return shm.ShmAccept(accept.accepted, accept.reason)
+
+    server._handlers[shm.SHM_CONNECT.id] = (shm.SHM_CONNECT, older)
+    before = shm_bytes()
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        _, data = await client.call_with_data(address, READ, Req(), into=memoryview(bytearray(MIB)))
+        assert bytes(data) == payload
+    assert shm_bytes() == before
+
+
+async def test_a_given_up_calls_arena_buffer_stays_out_of_use_until_its_late_answer(nursery):
+    payload = pattern(MIB, 9)
+    server, address = await start_reader(nursery, payload, delay=0.3, shared_memory=True)
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        conn = await client.connection(address)
+        with trio.move_on_after(0.05):
+            await client.call_with_data(address, READ, Req(), into=memoryview(bytearray(MIB)))
+        (held,) = conn._held_replies.values()  # the server will still write into it
+        assert shm.SHARED.take(MIB) is not held
+        await trio.sleep(0.6)  # the late answer arrived: written, then dropped
+        assert not conn._held_replies
+        assert bytes(memoryview(held)[:MIB]) == payload

@@ -98,6 +98,7 @@ class ClientLinks:
         self.forced_rdma = False
         self._shm = shared_memory  # lent data may go through this process's arena, if the server maps it
         self._shm_ok: bool | None = None  # the server's answer to SHM_CONNECT; None: not asked yet
+        self._shm_replies = False  # and whether it writes answers' data into this process's arena
         self._shm_asking: trio.Event | None = None
 
     @property
@@ -188,6 +189,28 @@ class ClientLinks:
             return body, buffers, data_len, flags
         return body + shm.encode_trailer(offset, data_len), [], 0, flags | wire.Flags.SHM
 
+    @property
+    def shared_memory_replies(self) -> bool:
+        """Answers' data sections from this server are written into this process's arena (``Flags.SHM_REPLY``)."""
+        return self._shm_replies
+
+    async def reply_buffer(self, length: int) -> tuple[Any, int] | None:
+        """A buffer of this process's arena for an answer's data section of up to ``length`` bytes, and its arena
+        offset, when the server writes answers there (``Flags.SHM_REPLY``); else None (the answer comes by TCP).
+        Offers the arena first if this connection has not yet."""
+        if not self._shm or self._shm_ok is False or length < shm.SHM_MIN_BYTES:
+            return None
+        arena = shm.PROCESS_ARENA.get()
+        if arena is None:
+            return None
+        if self._shm_ok is None:
+            await self._offer_arena(arena)
+        if not self._shm_replies:
+            return None
+        buf = shm.SHARED.take(1 << (length - 1).bit_length())  # pooled sizes are powers of two
+        offset = arena.locate(buf)
+        return None if offset is None else (buf, offset)
+
     async def _offer_arena(self, arena: shm.Arena) -> None:
         """Ask the server to map this process's arena; concurrent first calls wait for the one answer."""
         if self._shm_asking is not None:
@@ -196,7 +219,7 @@ class ClientLinks:
         self._shm_asking = asking = trio.Event()
         try:
             answer, _ = await self._call(shm.SHM_CONNECT, arena.offer())
-            self._shm_ok = answer.accepted
+            self._shm_ok, self._shm_replies = answer.accepted, answer.accepted and answer.replies
             if answer.accepted:
                 log.debug("lent data to %s through shared memory", self.address)
             else:
@@ -305,7 +328,7 @@ def accept_shm(enabled: bool, offer: shm.ShmOffer, conn: PeerConnection, log: lo
         return shm.ShmAccept(False, str(exc))
     conn.install_shm(arena)
     log.info("lent data from %s through shared memory (pid %d)", conn.peer, offer.pid)
-    return shm.ShmAccept(True)
+    return shm.ShmAccept(True, replies=True)
 
 
 __all__ = [

@@ -28,14 +28,14 @@ import struct
 import threading
 import weakref
 from functools import cache
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import prometheus_client
 import trio
 
 from kvfs.errors import ProtocolError
-from kvfs.pool import BufferPool
+from kvfs.pool import RECEIVED, BufferPool
 from kvfs.transport.buffers import buffer_address
 from kvfs.transport.errors import UnregisteredMemory
 from kvfs.wire import Method
@@ -55,7 +55,8 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 TRAILER = struct.Struct("<QQ")  # arena offset, length of the data section it names
 
 SHM_BYTES = prometheus_client.Counter(
-    "kvfs_shm_bytes", "Data-section bytes a server copied out of same-host clients' arenas instead of reading TCP"
+    "kvfs_shm_bytes", "Data-section bytes a server copied out of (or answered into) same-host clients' arenas"
+    " instead of TCP"
 )
 
 
@@ -92,8 +93,12 @@ class ShmOffer(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ShmAccept(msgspec.Struct, array_like=True, frozen=True):
+    """``replies``: the server also writes answers' data into buffers the client names (``Flags.SHM_REPLY``); a
+    server that predates them leaves it out, and gets no such request."""
+
     accepted: bool
     reason: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    replies: bool = False
 
 
 #: Asked by a client on its first lent call to a server; not idempotent (the server maps the arena per connection).
@@ -211,6 +216,23 @@ class PeerArena:
         ctypes.memmove(buffer_address(into), self._base + offset, into.nbytes)  # releases the GIL
         SHM_BYTES.inc(into.nbytes)
 
+    def copy_in(self, offset: int, capacity: int, buffers: list[Any]) -> int:
+        """Write ``buffers`` one after another into the client's arena at ``offset`` (an answer's data section, into
+        the buffer the client named, of ``capacity`` bytes); returns the bytes written."""
+        if self._anchor is None:
+            raise ProtocolError("shared-memory answer after the arena was unmapped")
+        total = sum(memoryview(b).nbytes for b in buffers)
+        if offset < _HEADER_PAGE or offset + capacity > self.size or total > capacity:
+            raise ProtocolError(f"shared-memory answer of {total} bytes does not fit [{offset}, +{capacity}) of the"
+                                " client's arena")
+        at = offset
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            self._map[at : at + view.nbytes] = view  # read-only sources too (a loan of a slot file's mapping)
+            at += view.nbytes
+        SHM_BYTES.inc(total)
+        return total
+
     def close(self) -> None:
         if self._anchor is not None:
             self._anchor = None
@@ -257,12 +279,14 @@ SHARED = BufferPool(capacity=ARENA_CAPACITY // 2, allocate=PROCESS_ARENA.allocat
 a server copies lent data into (so a chain member forwards it on without another copy)."""
 
 
-async def give_back_idle(every: float = 30.0) -> None:
-    """Hand the pages of this process's idle arena buffers back to the system, every ``every`` seconds once
-    nothing was taken for that long (run in a service's nursery): a mount that wrote a large file would otherwise
-    keep its write buffers' memory while it idles."""
+async def give_back_idle(every: float = 30.0, idle: float | None = None) -> None:
+    """Hand the pages of this process's idle pooled buffers (its arena's, and the received pool's) back to the
+    system, checking every ``every`` seconds, once nothing was taken from a pool for ``idle`` seconds (default
+    ``every``; run in a service's nursery): a mount that wrote a large file, or a chunk server that took it, would
+    otherwise keep their memory while they idle."""
     while True:
         await trio.sleep(every)
-        given = SHARED.trim(idle=every)
-        if given:
-            log.debug("gave back %d MiB of idle shared-memory buffers", given >> 20)
+        for name, pool in (("shared-memory", SHARED), ("received", RECEIVED)):
+            given = pool.trim(idle=every if idle is None else idle)
+            if given:
+                log.debug("gave back %d MiB of idle %s buffers", given >> 20, name)

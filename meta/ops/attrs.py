@@ -11,7 +11,9 @@ from kvfs.kv import Transaction
 from kvfs.kv.keys import decode_int
 from kvfs.meta import schema
 from kvfs.meta.ops.base import OpsBase
-from kvfs.meta.posix import NAME_MAX, W_OK, errno_error, is_dir, kill_suid, pick_time, require_access, require_owner
+from kvfs.meta.posix import (
+    NAME_MAX, W_OK, clears_only_set_id, errno_error, is_dir, kill_suid, pick_time, require_access, require_owner,
+)
 from kvfs.meta.records import get_inode, put_inode
 from kvfs.meta.types import Attr, Caller, Layout, StatFs, TimeSpec
 
@@ -53,22 +55,36 @@ class AttrOps(OpsBase):
         size: int | None = None,
         atime: TimeSpec = None,
         mtime: TimeSpec = None,
+        session: int | None = None,
     ) -> Attr:
         """chmod/chown/truncate/utimens in one.  ``None`` leaves a field alone; times take
         nanoseconds or ``"now"``.  Only the owner (or root) may chmod or set explicit times, only
         root may give a file away, an owner may chgrp to a group it belongs to; chown clears the
-        set-id bits of non-directories; truncate needs write permission."""
-        return self._write(self._setattr, caller, ino, mode, uid, gid, size, atime, mtime)
+        set-id bits of non-directories; truncate needs write permission, and so does a mode change by
+        anyone else that only drops set-id bits (what a write makes the kernel ask for). ``session``: the
+        caller's write session on ``ino`` (``ftruncate``): write permission was checked when it was opened,
+        so neither needs it now (EBADF if it is not such a session)."""
+        return self._write(self._setattr, caller, ino, mode, uid, gid, size, atime, mtime, session)
 
     def _setattr(self, tr: Transaction, caller: Caller, ino: int, mode: int | None, uid: int | None,
-                 gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec) -> Attr:
+                 gid: int | None, size: int | None, atime: TimeSpec, mtime: TimeSpec, session: int | None) -> Attr:
         inode = get_inode(tr, ino)
         if is_dir(inode):
             self._delegations.check(tr, caller, ino)
         attr = inode.attr
         now = self._clock()
+
+        def require_write() -> None:
+            if session is None:
+                require_access(caller, attr, W_OK)
+            else:
+                self._sessions.writer_inode(tr, ino, session)
+
         if mode is not None:
-            require_owner(caller, attr)
+            if caller.uid not in (0, attr.uid) and stat.S_ISREG(attr.mode) and clears_only_set_id(attr.mode, mode):
+                require_write()
+            else:
+                require_owner(caller, attr)
             attr.mode = stat.S_IFMT(attr.mode) | (mode & 0o7777)
             if caller.uid != 0 and not caller.in_group(attr.gid):
                 attr.mode &= ~stat.S_ISGID
@@ -79,7 +95,7 @@ class AttrOps(OpsBase):
                 raise errno_error(errno.EISDIR, f"inode {ino}")
             if not stat.S_ISREG(attr.mode) or size < 0:
                 raise errno_error(errno.EINVAL, f"size {size} for inode {ino}")
-            require_access(caller, attr, W_OK)
+            require_write()
             attr.size = size
             attr.mtime_ns = now
             kill_suid(caller, attr)

@@ -77,8 +77,6 @@ class EntryOps(OpsBase):
             raise errno_error(errno.EEXIST, repr(name))
         require_access(caller, pdir.attr, W_OK | X_OK)
         is_dir = stat.S_ISDIR(mode)
-        if is_dir and pdir.attr.nlink >= LINK_MAX:
-            raise errno_error(errno.EMLINK, f"inode {parent}")
         attr, layout = child_attr(caller, pdir.attr, self._layout(pdir), mode, ino, self._now(),
                                   rdev=rdev, target=target, seed=seed)
         inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target, written=written)
@@ -273,8 +271,6 @@ class EntryOps(OpsBase):
                 break
             ino = get_inode(tr, ino).parent
         require_access(caller, node.attr, W_OK)
-        if new.attr.nlink >= LINK_MAX:
-            raise errno_error(errno.EMLINK, f"inode {new.attr.ino}")
 
     @staticmethod
     def _move(old: Inode, new: Inode, node: Inode) -> None:

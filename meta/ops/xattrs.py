@@ -27,7 +27,9 @@ class XattrOps(AttrOps):
         if not name or len(name) > XATTR_NAME_MAX:
             raise errno_error(errno.ERANGE, "xattr name length")
         inode = get_inode(tr, ino)
-        space = name.split(b".", 1)[0]
+        space, _, rest = name.partition(b".")
+        if not rest and space in (b"user", b"trusted", b"security"):  # a namespace with no name in it
+            raise errno_error(errno.EINVAL, repr(name))
         if space == b"user":
             if not (stat.S_ISREG(inode.attr.mode) or is_dir(inode)):
                 raise errno_error(errno.EPERM, "user xattrs on special files")
