@@ -1,20 +1,26 @@
 """RPC benchmark: small-call rates and bulk throughput, beside a plain-socket pump in the same run.
 
-    .venv/bin/python benchmarks/rpc_bench.py [--seconds 2]
+    .venv/bin/python benchmarks/rpc_bench.py [--seconds 2] [--cpu-per-call]
 
 The server runs in its own process (as it would in a cluster) so client and server each get a core.
 Figures:
-  * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection);
+  * small calls/s: one connection ping-pong (1 in flight) and pipelined (64 in flight on one connection), beside
+    a bare trio ping-pong (one byte each way over trio sockets between the same two processes) as the ceiling an
+    RPC core on trio can approach;
   * new connections/s: connect, authenticate and make one small call, one at a time;
   * bulk GB/s for 1, 4 and 16 MiB data sections, client -> server (write-like) and server -> client
     (read-like, received with recv_into straight into a reused buffer), 4 in flight;
   * the same sizes through a plain socket pump (sendall / recv_into a reused buffer, 1-byte ack) as the ceiling.
+
+``--cpu-per-call`` measures only small calls (64 in flight, then 1) and prints the CPU each costs the client and
+the server process: on a machine shared with other work, rates swing with the load and CPU per call much less.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import time
 
@@ -63,6 +69,35 @@ def rpc_server(port_queue: mp.Queue) -> None:
             port_queue.put(port)
 
     trio.run(main)
+
+
+def trio_echo_server(port_queue: mp.Queue) -> None:
+    """Echo every byte back: the bare trio side of the ping-pong ceiling."""
+
+    async def echo(stream: trio.SocketStream) -> None:
+        stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        async for chunk in stream:
+            await stream.send_all(chunk)
+
+    async def main():
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port_queue.put(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(echo, listeners)
+
+    trio.run(main)
+
+
+async def trio_ping_pong(port: int, seconds: float) -> float:
+    """Round trips/s of one byte over trio sockets, one in flight: what trio itself costs per round trip."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    stream.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    async with stream:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            await stream.send_all(b"p")
+            await stream.receive_some(1)
+            count += 1
+        return count / (time.perf_counter() - start)
 
 
 def plain_server(port_queue: mp.Queue) -> None:
@@ -140,20 +175,50 @@ async def rpc_figures(address: str, seconds: float) -> dict[str, float]:
     return out
 
 
+def process_cpu(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_per_call(address: str, seconds: float, server_pid: int) -> None:
+    async with RpcClient(TOKEN, limits=LIMITS) as client:
+        for _ in range(200):
+            await client.call(address, PING, Req())
+        for in_flight in (64, 1):
+            client_cpu, server_cpu = time.process_time(), process_cpu(server_pid)
+            calls_per_s = await rate(seconds, in_flight, lambda: client.call(address, PING, Req()))
+            calls = calls_per_s * seconds
+            client_us = (time.process_time() - client_cpu) / calls * 1e6
+            server_us = (process_cpu(server_pid) - server_cpu) / calls * 1e6
+            print(f"x{in_flight:<3} in flight {calls_per_s:>9,.0f} calls/s   CPU per call: client {client_us:5.1f} us,"
+                  f" server {server_us:5.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0, help="measuring time per figure")
+    parser.add_argument("--cpu-per-call", action="store_true", help="only small calls, with their CPU per call")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    servers = [ctx.Process(target=rpc_server, args=(queue,), daemon=True)]
-    servers[0].start()
-    rpc_port = queue.get(timeout=30)
-    servers.append(ctx.Process(target=plain_server, args=(queue,), daemon=True))
-    servers[1].start()
-    plain_port = queue.get(timeout=30)
+    if args.cpu_per_call:
+        server = ctx.Process(target=rpc_server, args=(queue,), daemon=True)
+        server.start()
+        try:
+            trio.run(cpu_per_call, f"127.0.0.1:{queue.get(timeout=30)}", args.seconds, server.pid)
+        finally:
+            server.terminate()
+        return
+    servers, ports = [], []
+    for target in (rpc_server, plain_server, trio_echo_server):
+        servers.append(ctx.Process(target=target, args=(queue,), daemon=True))
+        servers[-1].start()
+        ports.append(queue.get(timeout=30))
+    rpc_port, plain_port, echo_port = ports
     try:
         figures = trio.run(rpc_figures, f"127.0.0.1:{rpc_port}", args.seconds)
+        bare_trio = trio.run(trio_ping_pong, echo_port, args.seconds)
         plain = {size: plain_pump(plain_port, size, args.seconds) / 1e9 for size in SIZES}
     finally:
         for proc in servers:
@@ -161,7 +226,9 @@ def main() -> None:
     print(f"{'figure':<28}{'kvfs rpc':>12}{'plain socket':>14}{'ratio':>8}")
     for name, value in figures.items():
         size_mib = name.split()[1] if name.startswith(("put", "get")) else None
-        if size_mib is None:
+        if name == "ping-pong calls/s":
+            print(f"{name:<28}{value:>12,.0f}{bare_trio:>14,.0f}{value / bare_trio:>8.2f}  (bare trio ping-pong)")
+        elif size_mib is None:
             print(f"{name:<28}{value:>12,.0f}")
         else:
             base = plain[int(size_mib) << 20]

@@ -157,7 +157,9 @@ class ChunkServer:
         self._chunk_queues: dict[tuple[int, ChunkId], collections.deque[Callable[[], Any]]] = {}
         self._nursery: trio.Nursery | None = None
         self._workers = Workers("chunk-engine")  # persists and commits: the threads of every write
-        self._readers = Workers("chunk-read")  # large reads, which must not queue behind writes' fsyncs
+        # reads that wait for the disk, which must not queue behind writes' fsyncs: large ones, and small ones the
+        # page cache does not hold (a cold 4 KiB read paid trio.to_thread's per-call work on top of its disk read)
+        self._readers = Workers("chunk-read")
         self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
 
@@ -549,7 +551,7 @@ class ChunkServer:
             try:
                 n = engine.read(chunk_id, offset, length, version=version, into=buf, nowait=True)[0]
             except BlockingIOError:  # some of it is on disk only: wait for it in a thread, not in the event loop
-                n, _ = await trio.to_thread.run_sync(
+                n, _ = await self._readers.run(
                     lambda: engine.read(chunk_id, offset, length, version=version, into=buf))
             return buf[:n]
         except KvfsError as exc:

@@ -1,13 +1,14 @@
 """Multiplexed RPC over TCP on trio.
 
 One connection carries many concurrent calls, matched by request id. Each side runs one reader task and one
-writer task per connection. A frame is written by its caller when nothing is queued, else the writer drains the
-queue into one ``writev`` (small calls in flight only pay off when frames are batched); the reader parses frames
-out of a reused buffer and hands each data section straight to the buffer its caller supplied, so bulk bytes
-are copied once, from the kernel into their destination. Both read and write the non-blocking descriptor
-directly and wait for readiness only when it is empty or full: a small call's round trip is mostly scheduler
-passes, and this leaves one per side where trio's socket methods took several. Handlers registered ``inline``
-run in the reader task (no task per call).
+writer task per connection. A frame is written by its caller when nothing is queued and nothing follows it,
+else the writer drains the queue into one ``writev`` (a request while others are in flight, an inline handler's
+reply while more requests are already read: small calls in flight only pay off when frames are batched); the
+reader parses frames out of a reused buffer and hands each data section straight to the buffer its caller
+supplied, so bulk bytes are copied once, from the kernel into their destination. Both read and write the
+non-blocking descriptor directly and wait for readiness only when it is empty or full: a small call's round trip
+is mostly scheduler passes, and this leaves one per side where trio's socket methods took several. Handlers
+registered ``inline`` run in the reader task (no task per call).
 
 Every connection opens with the handshake of :mod:`kvfs.auth`, which proves both sides hold the cluster token and
 gives the connection its own frame keys; every later frame is tagged with them and an implicit sequence number.
@@ -111,7 +112,9 @@ class FrameReader:
     Reads go straight to the non-blocking descriptor and wait for readiness only when it has nothing: trio's
     socket methods yield to the scheduler after every successful call, a scheduler pass per frame that was a
     good part of a small call's round trip. A reader that keeps finding data yields every ``_YIELD_EVERY``
-    reads, so one busy connection cannot starve the others.
+    reads, so one busy connection cannot starve the others. After a read that took less than it asked for (the
+    socket was empty then) the next one waits for readiness first: trying it would almost always find nothing,
+    a failed ``readv`` on each side of every lone call's round trip.
     """
 
     def __init__(self, sock: trio.socket.SocketType, size: int = _READ_BUFFER) -> None:
@@ -121,16 +124,27 @@ class FrameReader:
         self._start = 0
         self._end = 0
         self._reads = 0
+        self._drained = False  # the last read emptied the socket
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read from the socket and not yet consumed: more frames may be waiting right behind this one."""
+        return self._end - self._start
 
     async def _recv_into(self, dst: memoryview) -> int:
         self._reads += 1
         if self._reads % _YIELD_EVERY == 0:
             await trio.lowlevel.checkpoint()
+        if self._drained:
+            await trio.lowlevel.wait_readable(self._fd)
         while True:
             try:
-                return os.readv(self._fd, [dst])
+                n = os.readv(self._fd, [dst])
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self._fd)
+                continue
+            self._drained = n < len(dst)
+            return n
 
     async def _fill(self, need: int) -> None:
         if self._start + need > len(self._buf):
@@ -204,7 +218,9 @@ class _Writer:
 
     A frame that finds nothing queued is written by its caller at once, with no task switch or scheduler pass;
     what the socket does not take is queued, and the writer task sends the queue as the socket drains, many
-    frames per ``writev`` (small calls in flight only pay off when their frames batch). Frames never interleave.
+    frames per ``writev`` (small calls in flight only pay off when their frames batch). A caller that knows more
+    frames follow right behind its own (``batch``) queues it instead of writing it: a write per frame was most of
+    what a connection with many small calls in flight spent. Frames never interleave.
     ``put`` returns once its frame is written or queued, except that a frame holding caller-owned buffers
     (anything but ``bytes``), or one that finds more than ``_QUEUE_LIMIT`` bytes queued, waits until its bytes
     are in the kernel: callers may reuse their buffers, and a peer that stops reading pushes back.
@@ -229,15 +245,17 @@ class _Writer:
         """Nothing more will be sent: the writer task has ended."""
         return self._stopped
 
-    async def put(self, buffers: list[Buffer], *, seal: bool = True) -> None:
+    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False) -> None:
         """Send one frame (from :func:`kvfs.wire.encode_frame`) and its data buffers; ``seal=False`` only for the
-        one frame a peer reads untagged (an authentication refusal)."""
+        one frame a peer reads untagged (an authentication refusal). ``batch``: more frames are on their way
+        (other calls in flight, more requests already read), so leave this one to the writer task, which sends
+        all that queued up by its next pass in one ``writev``."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
         if seal and self.signer is not None:
             buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if not self._queue:
+        if not self._queue and not batch:
             try:
                 _write_available(self._fd, views)
             except OSError as exc:  # the writer task raises it too, which ends the connection
@@ -631,9 +649,10 @@ class Connection:
             body += shm.encode_trailer(pending.reply_offset, len(into))
             flags |= wire.Flags.SHM_REPLY
         frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
+        batch = bool(self._pending)  # other calls in flight: their callers are likely sending too
         self._pending[request_id] = pending
         try:
-            await self._writer.put([frame, *buffers])
+            await self._writer.put([frame, *buffers], batch=batch)
             await pending.done.wait()
         finally:
             if self._pending.pop(request_id, None) is not None and pending.reply is not None:
@@ -858,14 +877,15 @@ class RpcClient(TransportChoice):
         attempts = 1 + (self._retries if method.idempotent else 0)
         deadline = self.call_timeout if timeout is None else timeout
         for attempt in range(attempts):
-            try:
-                with trio.fail_after(deadline):
+            # A bare cancel scope: fail_after's generator-based context manager cost a few microseconds a call.
+            with trio.CancelScope(deadline=trio.current_time() + deadline) as scope:
+                try:
                     conn = await self.connection(address, check_peer=not method.idempotent)
                     return await conn.call(method, request, data=data, into=into, lend=lend)
-            except trio.TooSlowError:
-                error: KvfsError = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
-            except (ConnectionLost, ServiceUnavailable) as exc:
-                error = exc
+                except (ConnectionLost, ServiceUnavailable) as exc:
+                    error: KvfsError = exc
+            if scope.cancelled_caught:
+                error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
             if attempt + 1 < attempts:
                 await trio.sleep(min(0.05 * 2**attempt, 1.0))
         raise error
@@ -1140,7 +1160,8 @@ class RpcServer(TransportChoice):
             args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway,
                     reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):
-                await self._dispatch(*args)
+                # more requests already read: their replies join this one in the writer's next writev
+                await self._dispatch(*args, batch=reader.buffered > 0)
             else:
                 nursery.start_soon(self._dispatch, *args)
 
@@ -1158,6 +1179,7 @@ class RpcServer(TransportChoice):
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
         reply_to: list[int] | None = None,
+        batch: bool = False,
     ) -> None:
         ctx: CallContext | None = None
         delivered = False  # the reply is in the kernel, or there is none to send
@@ -1214,7 +1236,7 @@ class RpcServer(TransportChoice):
                 body = wire.encode_body(wire.ErrorBody(failure.errno or errno.EIO, failure.message))
                 frames = [wire.encode_frame(FrameType.ERROR, request_id, 0, body)]
             try:
-                await writer.put(frames)
+                await writer.put(frames, batch=batch)
             except ConnectionLost:
                 pass
             delivered = True

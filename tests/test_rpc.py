@@ -327,6 +327,34 @@ async def test_inline_handlers_answer_in_order_and_others_still_overlap(nursery,
     assert done == ["inline", "slow"]
 
 
+async def test_pipelined_small_calls_share_writes_both_ways(nursery, client, monkeypatch):
+    """Many small calls in flight on one connection go out, and are answered, many frames per write: a write
+    per frame was most of what such a connection cost. Every call still gets its own answer."""
+    srv = RpcServer(TOKEN, name="test-batch")
+    srv.register(ECHO, echo, inline=True)
+    address = f"127.0.0.1:{await nursery.start(srv.serve, '127.0.0.1', 0)}"
+    await client.call(address, ECHO, EchoRequest("warm"))
+    writes = 0
+    real_writev = os.writev
+
+    def counting_writev(fd, buffers):
+        nonlocal writes
+        writes += 1
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", counting_writev)
+    answers: dict[int, EchoResponse] = {}
+
+    async def one(i: int) -> None:
+        answers[i] = await client.call(address, ECHO, EchoRequest(str(i)))
+
+    async with trio.open_nursery() as calls:
+        for i in range(256):
+            calls.start_soon(one, i)
+    assert answers == {i: EchoResponse(str(i), 0) for i in range(256)}
+    assert writes <= 32, f"{writes} writes for 256 calls and their 256 answers"
+
+
 async def test_one_way_messages_run_the_handler_and_get_no_answer(nursery, client):
     """``send`` (Flags.ONEWAY): the handler runs with the data, in order with inline handling; nothing comes back,
     not even for a failure, and the connection goes on serving calls."""
