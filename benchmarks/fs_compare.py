@@ -61,6 +61,8 @@ waits (on the disk, or on wake-ups between processes), and how much CPU the othe
 ``/proc/stat`` counts in clock ticks (10 ms): a phase that ends within a few tenths of a second (kvfs's stat
 loop) gets a coarse figure.
 
+One run at a time: a second run waits for the first's lock (``/run/lock/kvfs-fs_compare.lock``), so runs
+never measure each other and the clean-up of a killed run's leftovers never touches a live run's daemons.
 Every subprocess has a timeout; mounts are checked (mountinfo type and source, and a statfs that answers)
 before they are used; everything started is torn down in a ``finally`` - unmount, stop daemons, delete the
 namespace and veth pair - also on Ctrl-C, SIGTERM and SIGHUP (further signals during tear-down are
@@ -71,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -88,6 +91,7 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 
 NETNS = "kvfsbench-mfs"
+LOCK_PATH = "/run/lock/kvfs-fs_compare.lock" if os.path.isdir("/run/lock") else "/tmp/kvfs-fs_compare.lock"
 VETH_HOST, VETH_NS = "kvfsb-h", "kvfsb-n"
 HOST_IP, NS_IP, PREFIX = "10.231.0.1", "10.231.0.2", 24
 MFS_MASTER_PORTS = {"ml": 9419, "cs": 9420, "cl": 9421}
@@ -565,7 +569,8 @@ class KvfsTarget(Target):
         return None
 
     def _clean_stale(self) -> None:
-        """kvfs clusters of this script's earlier runs killed with SIGKILL: ``kvfs down`` each one."""
+        """kvfs clusters of this script's earlier runs killed with SIGKILL: ``kvfs down`` each one (no other run
+        is alive: main holds the run lock)."""
         stale = set()
         for proc in Path("/proc").iterdir():
             with contextlib.suppress(OSError):
@@ -1115,6 +1120,14 @@ def main() -> int:
     if not have_fio:
         log("fio not found: apt-get install -y fio (or rerun with --install); running the metadata loop only")
 
+    # One run at a time per machine: runs side by side would measure each other, MooseFS's namespace has one
+    # name, and the clean-up of what a killed run left behind must never take a live run's daemons for that
+    lock = open(LOCK_PATH, "w")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"another fs_compare run holds {LOCK_PATH}: waiting for it to end")
+        fcntl.flock(lock, fcntl.LOCK_EX)
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fs_compare-", dir=args.workdir))
