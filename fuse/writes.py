@@ -238,8 +238,7 @@ class WriteBack:
 
         async def chunk(starts: list[int], pieces: list[bytearray]) -> None:
             async with self.write_limit:
-                for start, piece in zip(starts, pieces):
-                    await self.storage.write(st.ino, st.layout, start, piece)
+                await self.storage.write_runs(st.ino, st.layout, list(zip(starts, pieces)))
 
         await parallel(chunk, list(runs.chunks.values()))
         await self._report(h, runs.bounds()[1])
