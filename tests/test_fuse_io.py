@@ -429,6 +429,32 @@ def test_storage_errors_reach_the_writer(tmp_path):
         stop_mount(m)
 
 
+def test_a_failed_flush_of_gathered_small_writes_reaches_the_writer(tmp_path):
+    """Scattered small writes are gathered per chunk; when their flush fails, the writer hears it (once) at its
+    next write, fsync or close, and the bytes below the failure are kept."""
+    m = start_mount(tmp_path, "--chunk-size", str(CHUNK), "--fail-writes-from", str(MIB),
+                    "--write-buffer", str(256 * 1024))
+    try:
+        p = m.path / "f"
+        fd = os.open(p, os.O_CREAT | os.O_RDWR)
+        os.pwrite(fd, b"s" * 4096, 0)
+        for off in range(8192, MIB, 3 * 4096):  # below the limit: gathered, then flushed by fsync
+            os.pwrite(fd, b"a" * 4096, off)
+        os.fsync(fd)
+        codes = []
+        for op in (lambda: os.pwrite(fd, b"b" * 4096, MIB + 8192), lambda: os.pwrite(fd, b"c" * 4096, 40960),
+                   lambda: os.fsync(fd), lambda: os.close(fd)):
+            try:
+                op()
+            except OSError as e:
+                codes.append(e.errno)
+        assert codes == [errno.ENOSPC]
+        with open(p, "rb") as f:
+            assert f.read(4096) == b"s" * 4096 and f.read(4096) == bytes(4096) and f.read(4096) == b"a" * 4096
+    finally:
+        stop_mount(m)
+
+
 # ------------------------------------------------------------------ lifecycle
 def test_sigterm_flushes_and_unmounts(tmp_path):
     m = start_mount(tmp_path)
