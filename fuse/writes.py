@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 FLUSH_DEPTH = 8  # write flushes in flight per open file (see WriteBack.start_flush)
 SPARSE_WRITE = 128 << 10  # a smaller write that does not continue the open's buffer is gathered (DirtyRuns)
+RUNS_DEPTH = 2  # flushes of gathered runs in flight per open file (each up to a write buffer's worth)
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class Handle:
     buf_len: int = 0
     spares: list[Any] = field(default_factory=list)  # flushed buffers, for the next ones to fill
     runs: DirtyRuns | None = None  # scattered small writes not yet flushed
+    runs_flushes: int = 0  # flushes of gathered runs in flight
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
 
@@ -264,26 +266,33 @@ class WriteBack:
 
     async def _start_runs_flush(self, h: Handle) -> None:
         """Hand the gathered runs to a background flush, a chunk's runs in one storage call (caller holds
-        h.lock)."""
+        h.lock). The flush waits in the background for the earlier flushes of the same bytes, so the writer
+        goes on gathering meanwhile; at most ``RUNS_DEPTH`` are in flight per open, which bounds its memory."""
         if h.runs is None:
             return
-        spans = h.runs.spans()
-        await self._wait_room(h, spans)
+        while h.runs_flushes >= RUNS_DEPTH:
+            await h.flushes[0][2].wait()
         runs, h.runs = h.runs, None
         if self.nursery is None:
             await self._flush_runs(h, runs, "flush")
             h.raise_error()
             return
+        spans = runs.spans()
+        earlier = {done for s, e, done in h.flushes for lo, hi in spans if s < hi and lo < e}
         done = trio.Event()
         flushes = [(lo, hi, done) for lo, hi in spans]
         h.flushes.extend(flushes)
-        self.nursery.start_soon(self._background_runs, h, runs, flushes)
+        h.runs_flushes += 1
+        self.nursery.start_soon(self._background_runs, h, runs, flushes, earlier)
 
-    async def _background_runs(self, h: Handle, runs: DirtyRuns, flushes: list[tuple[int, int, trio.Event]]
-                               ) -> None:
+    async def _background_runs(self, h: Handle, runs: DirtyRuns, flushes: list[tuple[int, int, trio.Event]],
+                               earlier: set[trio.Event]) -> None:
         try:
+            for event in earlier:  # in the order the writes were made
+                await event.wait()
             await self._flush_runs(h, runs, "background flush")
         finally:
+            h.runs_flushes -= 1
             for flush in flushes:
                 h.flushes.remove(flush)
             flushes[0][2].set()

@@ -93,6 +93,28 @@ def test_overlapping_writes_land_in_order_while_flushes_overlap(tmp_path):
         assert path.read_bytes() == bytes(model[:end])
 
 
+def test_gathered_small_writes_land_in_order_while_their_flushes_overlap(tmp_path):
+    """Scattered small writes, gathered and flushed a write buffer's worth at a time in the background; a flush
+    waits for the earlier ones that hold the same bytes, so the last write of each byte wins although storage
+    finishes writes out of order (each waits up to 20 ms)."""
+    import random
+
+    rng = random.Random(11)
+    model = bytearray(2 * MIB)
+    with running_mount(tmp_path, "--chunk-size", str(CHUNK), "--write-buffer", str(256 * 1024),
+                       "--write-jitter", "0.02") as m:
+        path = fresh_dir(m) / "f"
+        with open(path, "wb", buffering=0) as f:
+            f.write(model)
+            for i in range(3000):  # over a few hot pages, so flushes in flight keep holding the same bytes
+                off = rng.choice((rng.randrange(0, 2 * MIB - 5000), rng.randrange(0, 8) * 4096))
+                data = rng.randbytes(rng.choice((1, 512, 4096)))
+                f.seek(off)
+                f.write(data)
+                model[off:off + len(data)] = data
+        assert path.read_bytes() == bytes(model)
+
+
 def test_unaligned_small_writes_and_overwrite(d):
     p = d / "f"
     data = bytearray(pattern(3 * CHUNK + 17, 1))
