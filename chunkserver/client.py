@@ -157,11 +157,24 @@ class StorageClient:
                 piece = view[at : at + layout.chunk_size - within]
                 nursery.start_soon(self._bounded, self._write_chunk, ino, layout, index, within, piece)
 
+    async def write_runs(self, ino: int, layout: LayoutLike, runs: list[tuple[int, Buffer]]) -> None:
+        if len(runs) == 1:
+            await self.write(ino, layout, *runs[0])
+            return
+        index, within = divmod(runs[0][0], layout.chunk_size)
+        base = index * layout.chunk_size
+        last, tail = runs[-1]
+        if last + len(tail) > base + layout.chunk_size:
+            raise KvfsError(f"runs of chunk {index} of inode {ino} leave the chunk", errno.EINVAL)
+        extents = [(offset - base, len(data)) for offset, data in runs]
+        await self._write_chunk(ino, layout, index, within, memoryview(b"".join(data for _, data in runs)), extents)
+
     async def _bounded(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         async with self._window:
             await fn(*args)
 
-    async def _write_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, data: memoryview) -> None:
+    async def _write_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, data: memoryview,
+                           extents: list[tuple[int, int]] | None = None) -> None:
         lock = self._chunk_locks.setdefault((ino, index), trio.Lock())
         async with lock:
             try:
@@ -174,7 +187,7 @@ class StorageClient:
                     if not writers:
                         raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
                     request = WriteReq(chain.chain_id, chain.chain_version, ChunkId(ino, index), self.client_id,
-                                       request_id, within, crc)
+                                       request_id, within, crc, extents=extents)
                     # lent: the caller keeps ``data`` unchanged until this returns, and the head checks its CRC
                     await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
                                         timeout=self._call_timeout, lend=True)

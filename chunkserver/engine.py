@@ -115,8 +115,9 @@ import logging
 import os
 import threading
 from array import array
+from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -186,7 +187,7 @@ class _Version:
     blocks: array  # array('I') of per-BLOCK CRC32Cs
     cls: int  # log2 of the slot size; -1 only for the virtual empty version 0
     slot: int
-    origin: tuple | None = None  # (offset, len, crc, new_len) of the write that made it, for retransmits
+    origin: tuple | None = None  # (offset, len, crc, new_len, extents) of the write that made it, for retransmits
     aux: bytes = b""  # the replication layer's record for this version (e.g. its idempotency table)
     seq: int = 0  # write-back: its number in table unsynced; flushed once a flush has covered it (0: flushed)
 
@@ -206,6 +207,30 @@ def _nblocks(length: int) -> int:
 
 def _nothing() -> None:
     pass
+
+
+def _runs(offset: int, data: memoryview, extents: Sequence[Sequence[int]] | None) -> list[tuple[int, int, int]]:
+    """(offset in the chunk, position in ``data``, length) of each non-empty run a write holds."""
+    if extents is None:
+        return [(offset, 0, len(data))] if len(data) else []
+    runs, at = [], 0
+    for start, length in extents:
+        if length:
+            runs.append((start, at, length))
+        at += length
+    return runs
+
+
+def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Sequence[Sequence[int]],
+                   chunk_size: int) -> None:
+    """A write of several runs must name them in order, apart, inside the chunk, holding exactly ``data``."""
+    ends = [start + length for start, length in extents]
+    if not (extents and extents[0][0] == offset and all(length >= 0 for _, length in extents)
+            and sum(length for _, length in extents) == len(data) and ends[-1] <= chunk_size
+            and all(ends[k] <= extents[k + 1][0] for k in range(len(extents) - 1))):
+        raise KvfsError(f"chunk {chunk_id}: runs {list(extents)[:4]}... at {offset} are out of order, overlap, "
+                        f"leave the chunk of {chunk_size} or do not add up to the {len(data)} bytes sent",
+                        errno.EINVAL)
 
 
 def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int] | None = None) -> list[int]:
@@ -428,43 +453,49 @@ class ChunkEngine:
         self._held.settle((v.cls, v.slot), nowait)
 
     def _fill(self, old: _Version, cls: int, slot: int, offset: int, data: memoryview, new_len: int,
-              data_blocks: list[int]) -> array:
-        """Write the new version (old, with ``data`` at ``offset``, cut or zero-extended to
-        ``new_len``) into the slot; return its block CRCs. Runs of blocks wholly from ``data``
+              data_blocks: list[int], extents: Sequence[Sequence[int]] | None = None) -> array:
+        """Write the new version (old, with ``data`` at ``offset`` or its ``extents``, cut or zero-extended
+        to ``new_len``) into the slot; return its block CRCs. Runs of blocks wholly from one run of ``data``
         are written in one pwrite, runs wholly unchanged are copied in the kernel, and blocks
         that mix old bytes, new bytes or zeros are assembled in memory. ``data_blocks`` are the CRCs of
         ``data``'s own BLOCK pieces: a block-aligned write reuses them instead of reading the data again."""
         base = slot << cls
         end = offset + len(data)
-        if offset == 0 and end == new_len:  # the whole new version is the write (a full chunk, say): one pwrite
+        if extents is None and offset == 0 and end == new_len:  # the whole new version is the write: one pwrite
             if not self._held.hold(cls, slot, data):
                 self._slots.write(cls, data, base)
             return array("I", data_blocks)
         self._settle(old)  # its bytes are read or copied below
         crcs = array("I")
+        runs = _runs(offset, data, extents)
+        starts = [start for start, _, _ in runs]
 
-        def kind(b: int) -> int:
+        def kind(b: int) -> tuple[int, int]:
+            """(0, run) all new data from that run; (1, -1) the old block as it was; (2, -1) mixed: assemble."""
             lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
-            if len(data) and offset <= lo and hi <= end:
-                return 0  # all new data
-            untouched = not len(data) or hi <= offset or lo >= end
+            i = bisect_right(starts, hi - 1) - 1  # the last run that starts below hi: the only one that may cover
+            if i >= 0 and starts[i] <= lo and hi <= starts[i] + runs[i][2]:
+                return 0, i
+            untouched = i < 0 or starts[i] + runs[i][2] <= lo
             if untouched and lo < old.length and hi == min(lo + BLOCK, old.length):
-                return 1  # the old block as it was
-            return 2  # mixed: assemble
+                return 1, -1
+            return 2, -1
 
         b, nblocks = 0, _nblocks(new_len)
         while b < nblocks:
-            k = kind(b)
+            k, i = kind(b)
             e = b + 1
-            while k != 2 and e < nblocks and kind(e) == k:
+            while k != 2 and e < nblocks and kind(e) == (k, i):
                 e += 1
             lo, hi = b * BLOCK, min(e * BLOCK, new_len)
             if k == 0:
-                self._slots.write(cls, data[lo - offset : hi - offset], base + lo)
-                if offset % BLOCK == 0:
-                    crcs.extend(data_blocks[(lo - offset) // BLOCK : (hi - offset + BLOCK - 1) // BLOCK])
+                start, at, _ = runs[i]
+                first, last = at + lo - start, at + hi - start  # the blocks' bytes in data
+                self._slots.write(cls, data[first:last], base + lo)
+                if first % BLOCK == 0 and (last % BLOCK == 0 or last == len(data)):
+                    crcs.extend(data_blocks[first // BLOCK : (last + BLOCK - 1) // BLOCK])
                 else:
-                    crcs.extend(crc32c(data[x - offset : min(x + BLOCK, hi) - offset]) for x in range(lo, hi, BLOCK))
+                    crcs.extend(crc32c(data[x : min(x + BLOCK, last)]) for x in range(first, last, BLOCK))
             elif k == 1:
                 self._copy(old, lo, hi, cls, base + lo)
                 crcs.extend(old.blocks[b:e])
@@ -473,9 +504,12 @@ class ChunkEngine:
                 keep = min(hi, old.length) - lo
                 if keep > 0:
                     self._read_verified(old, lo, buf[:keep])
-                s, t = max(lo, offset), min(hi, end)
-                if s < t:
-                    buf[s - lo : t - lo] = data[s - offset : t - offset]
+                for start, at, length in runs[max(0, bisect_right(starts, lo) - 1):]:
+                    if start >= hi:
+                        break
+                    s, t = max(lo, start), min(hi, start + length)
+                    if s < t:
+                        buf[s - lo : t - lo] = data[at + s - start : at + t - start]
                 self._slots.write(cls, buf, base + lo)
                 crcs.append(crc32c(buf))
             b = e
@@ -496,6 +530,7 @@ class ChunkEngine:
         aux: bytes = b"",
         force: bool = False,
         block_crcs: list[int] | None = None,
+        extents: Sequence[Sequence[int]] | None = None,
     ) -> ChunkVersion:
         """Stage ``version`` = committed version with ``data`` at ``offset`` (or exactly ``data``).
 
@@ -509,6 +544,8 @@ class ChunkEngine:
         A different pending version replaces the current one: the replication layer decides.
         ``block_crcs``: the CRC32Cs of ``data``'s BLOCK pieces when the caller has already computed them
         (:func:`kvfs.crc.block_crcs`); they must fold into ``crc``, and the data is not read again.
+        ``extents``: ``data`` is several runs, ``(offset, length)`` in order and apart (a client's gathered
+        scattered writes), staged as one version; EINVAL if they do not fit.
         """
         data = memoryview(data).cast("B")
         data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
@@ -519,12 +556,18 @@ class ChunkEngine:
             )
         if force and not full_replace:
             raise KvfsError(f"chunk {chunk_id}: only a full replace may be forced", errno.EINVAL)
+        if extents is not None:
+            if full_replace:
+                raise KvfsError(f"chunk {chunk_id}: a full replace is one run", errno.EINVAL)
+            _check_extents(chunk_id, offset, data, extents, chunk_size)
+            extents = tuple((start, length) for start, length in extents)
         return self._stage(chunk_id, version, offset, data, data_blocks, crc, full_replace=full_replace, force=force,
-                           aux=aux)
+                           aux=aux, extents=extents)
 
     def _stage(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
+        extents: tuple[tuple[int, int], ...] | None = None,
     ) -> ChunkVersion:
         asked_len = new_len
         for last_try in (False, True):
@@ -533,8 +576,9 @@ class ChunkEngine:
                 old = entry.committed or _EMPTY
                 new_len = asked_len
                 if new_len is None:
-                    new_len = len(data) if full_replace else max(old.length, offset + len(data))
-                origin = (offset, len(data), crc, new_len)
+                    end = extents[-1][0] + extents[-1][1] if extents else offset + len(data)
+                    new_len = len(data) if full_replace else max(old.length, end)
+                origin = (offset, len(data), crc, new_len, extents)
                 for v in (entry.pending, entry.committed):
                     if not force and v is not None and v.version == version and v.origin == origin:
                         return self._meta(cid, v, entry)
@@ -561,7 +605,7 @@ class ChunkEngine:
                     self._execute(rows.COUNT_FLUSH, durable=True)
         try:
             try:
-                blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks)
+                blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks, extents)
                 if self._fsync and self._write_through:
                     self._slots.flush(cls)
                 elif self._write_back:

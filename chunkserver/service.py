@@ -367,7 +367,7 @@ class ChunkServer:
                 lambda: engine.write_pending(
                     e.chunk_id, e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
                     chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
-                    block_crcs=e.block_crcs,
+                    block_crcs=e.block_crcs, extents=e.extents,
                 )
             )
         except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version

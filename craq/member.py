@@ -175,6 +175,7 @@ class PersistPending:
     force: bool = False
     #: CRC32Cs of ``data``'s 64 KiB blocks (:func:`kvfs.crc.block_crcs`), computed by the check of the data
     block_crcs: list[int] | None = field(default=None, compare=False, repr=False)
+    extents: list[tuple[int, int]] | None = None  # the runs ``data`` holds (:class:`WriteReq`)
 
 
 @dataclass(frozen=True)
@@ -492,7 +493,7 @@ class ChainMember:
     def _start(self, c: _Chunk, w: WriteReq, blocks: list[int]) -> list[Effect]:
         u = UpdateReq(
             self.chain_id, self.chain_version, w.chunk_id, self.target_id, c.committed + 1, w.offset, w.crc,
-            client_id=w.client_id, request_id=w.request_id, data=w.data,
+            client_id=w.client_id, request_id=w.request_id, data=w.data, extents=w.extents,
         )
         effects = self._accept(c, u, blocks)
         c.pending.waiters.append((w.client_id, w.request_id))
@@ -538,7 +539,7 @@ class ChainMember:
         c.pending = _Pending(u, requests)
         force = u.full_replace and u.version <= c.committed
         return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests),
-                               force, blocks)]
+                               force, blocks, u.extents)]
 
     def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
         if e.version != c.pending.update.version:

@@ -68,7 +68,11 @@ class Msg(msgspec.Struct, frozen=True, tag=True):
 
 
 class WriteReq(Msg, frozen=True, tag=True):
-    """Client -> head. ``(client_id, request_id)`` makes retries idempotent; ids grow per client and chunk."""
+    """Client -> head. ``(client_id, request_id)`` makes retries idempotent; ids grow per client and chunk.
+
+    ``extents``: a write of several runs of the chunk (scattered small writes a client gathered), as
+    ``(offset, length)`` pairs, sorted and apart, whose bytes ``data`` holds one after another; they become one
+    version, so they cost the chain one round. None: ``data`` is one run at ``offset``."""
 
     chunk_id: ChunkId
     client_id: int
@@ -76,6 +80,7 @@ class WriteReq(Msg, frozen=True, tag=True):
     offset: int
     crc: int
     data: bytes | None = None
+    extents: list[tuple[int, int]] | None = None
 
 
 class WriteResp(Msg, frozen=True, tag=True):
@@ -108,6 +113,7 @@ class UpdateReq(Msg, frozen=True, tag=True):
     request_id: int = 0
     requests: dict[int, int] | None = None
     data: bytes | None = None
+    extents: list[tuple[int, int]] | None = None  # as in WriteReq
 
 
 class AckStatus(enum.Enum):

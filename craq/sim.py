@@ -85,7 +85,12 @@ class MemEngine:
         committed = self.committed.get(p.chunk_id, _Version(0, b"", {})).version
         assert p.force or p.version > committed, f"{p} is not newer than committed {committed}"
         base = b"" if p.full_replace else self.committed.get(p.chunk_id, _Version(0, b"", {})).data
-        data = base[: p.offset].ljust(p.offset, b"\0") + p.data + base[p.offset + len(p.data):]
+        data, at = bytearray(base), 0
+        for offset, length in p.extents or [(p.offset, len(p.data))]:
+            data += bytes(max(0, offset - len(data)))  # a run past the end: zeros up to it
+            data[offset:offset + length] = p.data[at:at + length]
+            at += length
+        data = bytes(data)
         self.pending[p.chunk_id] = _Version(p.version, data, p.requests)
         return crc32c(data), len(data)
 

@@ -1,5 +1,7 @@
 """The mount's write path: each open gathers the kernel's writes in a buffer, full buffers go to the chunk
 servers in the background (several in flight per open), and every flush reports the file's new end to meta.
+Small writes that do not continue the buffer are gathered per chunk (:class:`DirtyRuns`), as a page cache
+would hold them, and go out together: scattered 4 KiB writes cost a chain round per chunk, not per write.
 
 Kept apart from :mod:`kvfs.fuse.ops` (which answers FUSE requests) because its rules are about ordering and
 errors, not about FUSE: writes to the same bytes reach storage in the order they were made, whichever open made
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from bisect import bisect_right
 import os
 import sys
 from collections.abc import Callable
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 FLUSH_DEPTH = 8  # write flushes in flight per open file (see WriteBack.start_flush)
+SPARSE_WRITE = 128 << 10  # a smaller write that does not continue the open's buffer is gathered (DirtyRuns)
+RUNS_DEPTH = 2  # flushes of gathered runs in flight per open file (each up to a write buffer's worth)
 
 
 @dataclass(eq=False)
@@ -65,19 +70,83 @@ class Handle:
     buf_off: int = 0
     buf_len: int = 0
     spares: list[Any] = field(default_factory=list)  # flushed buffers, for the next ones to fill
+    runs: DirtyRuns | None = None  # scattered small writes not yet flushed
+    runs_flushes: int = 0  # flushes of gathered runs in flight
     flushes: list[tuple[int, int, trio.Event]] = field(default_factory=list)  # in flight: [start, end), done
     error: OSError | None = None  # a failed background flush, reported at the next write/flush/fsync
 
     def holds(self, lo: int = 0, hi: int = sys.maxsize) -> bool:
         """Bytes of ``[lo, hi)`` written here that storage may not have yet (buffered or being flushed)."""
-        return (self.buf_len > 0 and self.buf_off < hi and lo < self.buf_off + self.buf_len) or any(
-            s < hi and lo < e for s, e, _ in self.flushes)
+        return (self.buffered(lo, hi) or (self.runs is not None and self.runs.overlaps(lo, hi))
+                or any(s < hi and lo < e for s, e, _ in self.flushes))
+
+    def buffered(self, lo: int, hi: int) -> bool:
+        """Whether the sequential buffer holds bytes of ``[lo, hi)``."""
+        return self.buf_len > 0 and self.buf_off < hi and lo < self.buf_off + self.buf_len
 
     def raise_error(self) -> None:
         """Report (once) a flush failure that happened since the writer last heard from this open."""
         if self.error is not None:
             err, self.error = self.error, None
             raise err
+
+
+class DirtyRuns:
+    """Scattered writes of one open, per chunk: sorted runs that neither overlap nor touch (a write that
+    overlaps or adjoins runs merges with them, the later bytes winning). A chunk's runs go out as one storage
+    call, so a program that writes 4 KiB pages here and there (a database, a build tree) costs the chunk
+    servers a chain round per chunk and flush, not per write."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.chunks: dict[int, tuple[list[int], list[bytearray]]] = {}  # index -> (run starts, run bytes)
+        self.size = 0  # bytes held, the bound a flush is started at
+
+    def add(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        for pos, at, n in _chunk_pieces(self.chunk_size, offset, len(view)):
+            self._add_piece(pos // self.chunk_size, pos, view[at:at + n])
+
+    def _add_piece(self, index: int, offset: int, data: memoryview) -> None:
+        starts, runs = self.chunks.setdefault(index, ([], []))
+        end = offset + len(data)
+        first = bisect_right(starts, offset) - 1
+        if first < 0 or starts[first] + len(runs[first]) < offset:
+            first += 1  # no run starts at or before offset and reaches it
+        last = first
+        while last < len(starts) and starts[last] <= end:
+            last += 1  # runs [first, last) overlap or adjoin the write
+        old = sum(len(r) for r in runs[first:last])
+        if first < last and starts[first] <= offset:
+            base, merged = starts[first], runs[first]
+            merged[offset - base:end - base] = data  # patched in place (extended when the write goes past it)
+            following = range(first + 1, last)
+        else:
+            base, merged = offset, bytearray(data)
+            following = range(first, last)
+        for k in following:
+            tail = base + len(merged) - starts[k]
+            if tail < len(runs[k]):
+                merged += memoryview(runs[k])[tail:]
+        starts[first:last] = [base]
+        runs[first:last] = [merged]
+        self.size += len(merged) - old
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        for starts, runs in self.chunks.values():
+            i = bisect_right(starts, hi - 1) - 1  # the last run starting below hi
+            if i >= 0 and lo < starts[i] + len(runs[i]):
+                return True
+        return False
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Per chunk, the range from its first run's start to its last run's end."""
+        return [(starts[0], starts[-1] + len(runs[-1])) for starts, runs in self.chunks.values()]
+
+    def bounds(self) -> tuple[int, int]:
+        """Where the runs start and end, over all chunks."""
+        spans = self.spans()
+        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
 
 
 def _write_buffer(size: int) -> Any:
@@ -114,6 +183,12 @@ class WriteBack:
             if h.flags & os.O_APPEND and st.size > off:
                 off = st.size  # another writer of this inode appended meanwhile
             self._changed(st, off, n)
+            continues = h.buf_len and off == h.buf_off + h.buf_len
+            if 0 < n < SPARSE_WRITE and (h.buf_len or h.runs) and not continues:
+                await self._gather(h, off, buf)
+                return
+            if h.runs is not None and h.runs.overlaps(off, off + n):
+                await self._start_runs_flush(h)  # they hold older bytes of the range: out first
             if h.buf_len and (off != h.buf_off + h.buf_len or h.buf_len + n > self.write_buffer):
                 await self._start_flush(h)
             if n >= self.write_buffer:
@@ -132,6 +207,18 @@ class WriteBack:
             if h.buf_len >= self.write_buffer:
                 await self._start_flush(h)
 
+    async def _gather(self, h: Handle, off: int, buf: Any) -> None:
+        """Add a small scattered write to the open's runs (caller holds h.lock); flush them once they hold a
+        write buffer's worth."""
+        if h.buffered(off, off + len(buf)):
+            await self._start_flush(h)  # the buffer holds older bytes of the range: out first
+        if h.runs is None:
+            h.runs = DirtyRuns(h.state.layout.chunk_size)
+        h.runs.add(off, buf)
+        h.state.size = max(h.state.size, off + len(buf))
+        if h.runs.size >= self.write_buffer:
+            await self._start_runs_flush(h)
+
     async def flush_inode(self, st: InodeState, lo: int = 0, hi: int = sys.maxsize, but: Handle | None = None
                           ) -> None:
         """Write out what the file's opens (but ``but``) hold of ``[lo, hi)``. Each open flushes its buffer on its
@@ -146,7 +233,21 @@ class WriteBack:
         """Write ``data`` at ``off`` (chunk pieces in parallel), then report the new end to meta."""
         st = h.state
         await per_chunk(self.storage.write, st.ino, st.layout, off, data, self.write_limit)
-        end = off + len(data)
+        await self._report(h, off + len(data))
+
+    async def _write_runs(self, h: Handle, runs: DirtyRuns) -> None:
+        """Write gathered runs, the chunks side by side, then report the new end to meta."""
+        st = h.state
+
+        async def chunk(starts: list[int], pieces: list[bytearray]) -> None:
+            async with self.write_limit:
+                await self.storage.write_runs(st.ino, st.layout, list(zip(starts, pieces)))
+
+        await parallel(chunk, list(runs.chunks.values()))
+        await self._report(h, runs.bounds()[1])
+
+    async def _report(self, h: Handle, end: int) -> None:
+        st = h.state
         st.size = max(st.size, end)
         if h.session is not None:
             await self.meta.report_length(h.caller, st.ino, h.session, end)
@@ -157,6 +258,46 @@ class WriteBack:
         while h.flushes:
             await h.flushes[0][2].wait()
 
+    async def _wait_room(self, h: Handle, spans: list[tuple[int, int]]) -> None:
+        """Wait until fewer than ``flush_depth`` flushes are in flight and none overlaps ``spans``, so the
+        handle's writes to the same bytes reach storage in order."""
+        while h.flushes and (len({done for _, _, done in h.flushes}) >= self.flush_depth or any(
+                s < hi and lo < e for s, e, _ in h.flushes for lo, hi in spans)):
+            await h.flushes[0][2].wait()
+
+    async def _start_runs_flush(self, h: Handle) -> None:
+        """Hand the gathered runs to a background flush, a chunk's runs in one storage call (caller holds
+        h.lock). The flush waits in the background for the earlier flushes of the same bytes, so the writer
+        goes on gathering meanwhile; at most ``RUNS_DEPTH`` are in flight per open, which bounds its memory."""
+        if h.runs is None:
+            return
+        while h.runs_flushes >= RUNS_DEPTH:
+            await h.flushes[0][2].wait()
+        runs, h.runs = h.runs, None
+        if self.nursery is None:
+            await self._flush_runs(h, runs, "flush")
+            h.raise_error()
+            return
+        spans = runs.spans()
+        earlier = {done for s, e, done in h.flushes for lo, hi in spans if s < hi and lo < e}
+        done = trio.Event()
+        flushes = [(lo, hi, done) for lo, hi in spans]
+        h.flushes.extend(flushes)
+        h.runs_flushes += 1
+        self.nursery.start_soon(self._background_runs, h, runs, flushes, earlier)
+
+    async def _background_runs(self, h: Handle, runs: DirtyRuns, flushes: list[tuple[int, int, trio.Event]],
+                               earlier: set[trio.Event]) -> None:
+        try:
+            for event in earlier:  # in the order the writes were made
+                await event.wait()
+            await self._flush_runs(h, runs, "background flush")
+        finally:
+            h.runs_flushes -= 1
+            for flush in flushes:
+                h.flushes.remove(flush)
+            flushes[0][2].set()
+
     async def _start_flush(self, h: Handle) -> None:
         """Hand the full buffer to a background task and continue in another, so the writer fills one while
         others travel (caller holds h.lock). Up to ``flush_depth`` flushes of a handle are in flight, which keeps
@@ -165,8 +306,7 @@ class WriteBack:
         if not h.buf_len:
             return
         lo, hi = h.buf_off, h.buf_off + h.buf_len
-        while h.flushes and (len(h.flushes) >= self.flush_depth or any(s < hi and lo < e for s, e, _ in h.flushes)):
-            await h.flushes[0][2].wait()
+        await self._wait_room(h, [(lo, hi)])
         if self.nursery is None:
             await self._flush_handle(h)
             h.raise_error()
@@ -182,9 +322,7 @@ class WriteBack:
         off, end, done = flush
         view = memoryview(data)[:end - off]
         try:
-            await self._write_through(h, off, view)
-        except Exception as e:  # noqa: BLE001 - reported to the writer at its next write/flush/fsync
-            _keep_error(h, e, off, end - off, "background flush")
+            await self._flush_now(h, lambda: self._write_through(h, off, view), off, end - off, "background flush")
         finally:
             view.release()
             if len(h.spares) < self.flush_depth:
@@ -197,16 +335,29 @@ class WriteBack:
         buffer and is kept for the handle's writer, as with a background flush: a reader that triggered the
         flush does not get it."""
         await self._wait_inflight(h)
+        if h.runs is not None:  # never the same bytes as the buffer: a write to one sends the other's out first
+            runs, h.runs = h.runs, None
+            await self._flush_runs(h, runs, "flush")
         if not h.buf_len:
             return
         data = memoryview(h.buf)[:h.buf_len]
         try:
-            await self._write_through(h, h.buf_off, data)
-        except Exception as e:  # noqa: BLE001
-            _keep_error(h, e, h.buf_off, h.buf_len, "flush")
+            await self._flush_now(h, lambda: self._write_through(h, h.buf_off, data), h.buf_off, h.buf_len, "flush")
         finally:
             h.buf_len = 0
             data.release()
+
+    async def _flush_runs(self, h: Handle, runs: DirtyRuns, what: str) -> None:
+        lo, hi = runs.bounds()
+        await self._flush_now(h, lambda: self._write_runs(h, runs), lo, hi - lo, what)
+
+    @staticmethod
+    async def _flush_now(h: Handle, write: Callable[[], Any], off: int, length: int, what: str) -> None:
+        """Run one flush; a failure is kept for the handle's writer (see :meth:`Handle.raise_error`)."""
+        try:
+            await write()
+        except Exception as e:  # noqa: BLE001 - reported to the writer at its next write/flush/fsync
+            _keep_error(h, e, off, length, what)
 
 
 def _keep_error(h: Handle, e: Exception, off: int, length: int, what: str) -> None:

@@ -30,6 +30,10 @@ class FileStorage(Protocol):
     async def write(self, ino: int, layout: LayoutLike, offset: int, data: Buffer) -> None:
         """Write ``data`` at ``offset``; returns once every replica of every touched chunk committed it."""
 
+    async def write_runs(self, ino: int, layout: LayoutLike, runs: list[tuple[int, Buffer]]) -> None:
+        """Write ``(offset, bytes)`` runs, sorted and apart, all in one chunk, as one update of it: scattered
+        small writes cost one chain round instead of one each, and the bytes between them stay."""
+
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""
 

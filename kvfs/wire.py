@@ -30,7 +30,8 @@ import msgspec
 from kvfs.errors import AuthError, ProtocolError
 
 MAGIC = b"KVFS"
-PROTOCOL_VERSION = 2  # 2: per-connection keys and sequence numbers (kvfs.auth)
+PROTOCOL_VERSION = 3  # 2: per-connection keys and sequence numbers (kvfs.auth); 3: chunk writes of several runs
+# (WriteReq.extents), which a server of protocol 2 would ignore and store as one contiguous write
 TAG_SIZE = 16
 HEADER = struct.Struct("<4sBBHQIIQ16s")
 HEADER_SIZE = HEADER.size

@@ -83,20 +83,34 @@ class LocalFileStorage:
     # -- writes
     def _write_sync(self, ino: int, chunk_size: int, offset: int, data: memoryview) -> None:
         for idx, off, boff, n in self._pieces(chunk_size, offset, len(data)):
-            piece = data[boff:boff + n]
-            cid = ChunkId(ino, idx)
-            with self._lock(cid):
-                version = self._next_version(cid)
-                self.engine.write_pending(cid, version, off, piece, crc32c(piece), chunk_size=chunk_size)
-                self.engine.commit(cid, version)
+            self._write_version(ChunkId(ino, idx), chunk_size, off, data[boff:boff + n])
 
-    async def write(self, ino, layout, offset, data):
-        data = memoryview(data).cast("B")
-        if self.fail_writes_from is not None and offset + len(data) > self.fail_writes_from:
+    def _write_version(self, cid: ChunkId, chunk_size: int, offset: int, data: memoryview | bytes,
+                       extents: list[tuple[int, int]] | None = None) -> None:
+        with self._lock(cid):
+            version = self._next_version(cid)
+            self.engine.write_pending(cid, version, offset, data, crc32c(data), chunk_size=chunk_size, extents=extents)
+            self.engine.commit(cid, version)
+
+    async def _faults(self, end: int) -> None:
+        if self.fail_writes_from is not None and end > self.fail_writes_from:
             raise KvfsError("injected: no space", errno.ENOSPC)
         if self.write_jitter:
             await trio.sleep(random.uniform(0, self.write_jitter))
+
+    async def write(self, ino, layout, offset, data):
+        data = memoryview(data).cast("B")
+        await self._faults(offset + len(data))
         await trio.to_thread.run_sync(self._write_sync, ino, layout.chunk_size, offset, data)
+
+    async def write_runs(self, ino, layout, runs):
+        """One version for runs of one chunk, as StorageClient.write_runs makes."""
+        await self._faults(runs[-1][0] + len(runs[-1][1]))
+        index, within = divmod(runs[0][0], layout.chunk_size)
+        base = index * layout.chunk_size
+        extents = [(offset - base, len(data)) for offset, data in runs]
+        await trio.to_thread.run_sync(self._write_version, ChunkId(ino, index), layout.chunk_size, within,
+                                      b"".join(data for _, data in runs), extents)
 
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
         keep = -(-new_length // chunk_size)  # chunks [0, keep) may hold bytes below new_length

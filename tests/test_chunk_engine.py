@@ -531,6 +531,51 @@ def test_matches_bytearray_model(tmp_path: Path, ops: list[tuple[str, int, int]]
             lent.release()
 
 
+def scattered(n: int, seed: int) -> st.SearchStrategy[list[tuple[int, int]]]:
+    """Sorted, apart ``(offset, length)`` runs inside the first ``n`` bytes (some tiny, some spanning blocks)."""
+    cuts = st.lists(st.integers(0, n), min_size=2, max_size=2 * seed, unique=True).map(sorted)
+    return cuts.map(lambda c: [(c[k], c[k + 1] - c[k]) for k in range(0, len(c) - 1, 2)])
+
+
+@given(st.lists(st.tuples(st.booleans(), scattered(4 * BLOCK + 9, 8)), min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_write_of_several_runs_is_one_version_that_matches_the_model(
+        tmp_path: Path, writes: list[tuple[bool, list[tuple[int, int]]]]) -> None:
+    """Gathered scattered writes (runs) become one version each: the old bytes between them stay, every block's
+    CRC is right, a retransmit is recognised, and the version's CRC is the model's."""
+    root = tmp_path / os.urandom(4).hex()
+    model = bytearray()
+    with ChunkEngine(root, fsync=False) as e:
+        for version, (aborted, runs) in enumerate(writes, start=1):
+            data = b"".join(os.urandom(n) for _, n in runs)
+            m = e.write_pending(C, version, runs[0][0], data, crc32c(data), chunk_size=CS, extents=runs)
+            again = e.write_pending(C, version, runs[0][0], data, crc32c(data), chunk_size=CS, extents=runs)
+            assert again == m
+            if aborted:
+                e.abort(C, version)
+                continue
+            e.commit(C, version)
+            at = 0
+            for offset, n in runs:
+                model.extend(bytes(max(0, offset + n - len(model))))
+                model[offset:offset + n] = data[at:at + n]
+                at += n
+            assert m.crc == crc32c(model) and m.length == len(model)
+        if e.meta(C) is not None:
+            assert content(e, C) == bytes(model)  # reads check every block's CRC
+
+
+@pytest.mark.parametrize("runs", [[(0, 10), (5, 10)], [(20, 5), (0, 5)], [(0, 5), (10, 5)], [(CS - 2, 4)], []],
+                         ids=["overlapping", "out-of-order", "short-of-data", "past-the-chunk", "none"])
+def test_runs_that_do_not_fit_are_refused_and_change_nothing(eng: ChunkEngine, runs: list[tuple[int, int]]) -> None:
+    put(eng, C, 1, 0, b"old" * 100)
+    data = bytes(sum(n for _, n in runs) + (1 if runs == [(0, 5), (10, 5)] else 0))
+    with pytest.raises(KvfsError) as info:
+        eng.write_pending(C, 2, runs[0][0] if runs else 0, data, crc32c(data), chunk_size=CS, extents=runs)
+    assert info.value.errno == errno.EINVAL
+    assert content(eng, C) == b"old" * 100 and eng.meta(C).pending_version is None
+
+
 def test_full_disk_and_oversized_chunk_refused(eng: ChunkEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     put(eng, C, 1, 0, b"old")
 

@@ -6,6 +6,9 @@ checker then also plays a power loss, tearing the data of versions staged since 
 reopened engine must fall back to complete versions no older than the last sync. With held writes (write-back
 with ``hold_bytes``) the kill alone loses the whole versions held in memory, with the same fallback.
 
+Versions come from whole-chunk replaces, single writes, truncations and writes of several runs (a client's
+gathered scattered writes, most of them parts of blocks).
+
 Run as a script, this file is the child: ``python test_chunk_engine_crash.py ROOT [write-back|held]``.
 """
 
@@ -37,10 +40,17 @@ CS = 1 << 20
 def op(k: int, v: int) -> tuple[str, int, int]:
     """The write that makes version ``v`` of chunk ``k``: the same in the child and the checker."""
     rng = random.Random(f"{k}:{v}")
-    kind = rng.choice(["full", "write", "write", "trunc"])
+    kind = rng.choice(["full", "write", "write", "runs", "runs", "trunc"])
     if kind == "write":
         return kind, rng.randrange(0, 5 * BLOCK), rng.randrange(1, 2 * BLOCK)
     return kind, 0, rng.randrange(0, 5 * BLOCK)
+
+
+def runs(k: int, v: int) -> list[tuple[int, int]]:
+    """The runs of a "runs" version: up to six, sorted and apart, from one byte to half a block each."""
+    rng = random.Random(f"{k}:{v}:runs")
+    starts = sorted(rng.sample(range(0, 5 * BLOCK, BLOCK // 2), rng.randint(1, 6)))
+    return [(start + rng.randrange(0, 64), rng.randrange(1, BLOCK // 2 - 64)) for start in starts]
 
 
 def payload(v: int, n: int) -> bytes:
@@ -53,8 +63,10 @@ def apply(k: int, v: int, old: bytes) -> bytes:
         return payload(v, n)
     if kind == "trunc":
         return old[:n] + bytes(max(0, n - len(old)))
-    new = bytearray(old) + bytes(max(0, off + n - len(old)))
-    new[off : off + n] = payload(v, n)
+    new = bytearray(old)
+    for start, length in runs(k, v) if kind == "runs" else [(off, n)]:
+        new.extend(bytes(max(0, start + length - len(new))))
+        new[start : start + length] = payload(v, length)
     return bytes(new)
 
 
@@ -90,8 +102,12 @@ def child(root: Path, mode: str) -> None:
             if kind == "trunc":
                 e.truncate(cid, n, v)
             else:
+                extents = runs(k, v) if kind == "runs" else None
+                if extents:
+                    off, n = extents[0][0], sum(length for _, length in extents)
                 data = payload(v, n)
-                e.write_pending(cid, v, off, data, crc32c(data), full_replace=kind == "full", chunk_size=CS)
+                e.write_pending(cid, v, off, data, crc32c(data), full_replace=kind == "full", chunk_size=CS,
+                                extents=extents)
                 e.commit(cid, v, durable=v % 2 == 0)  # as the chain commits (no fsync), and durably
             say(f"{k} {v}")
 

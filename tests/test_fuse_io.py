@@ -93,6 +93,28 @@ def test_overlapping_writes_land_in_order_while_flushes_overlap(tmp_path):
         assert path.read_bytes() == bytes(model[:end])
 
 
+def test_gathered_small_writes_land_in_order_while_their_flushes_overlap(tmp_path):
+    """Scattered small writes, gathered and flushed a write buffer's worth at a time in the background; a flush
+    waits for the earlier ones that hold the same bytes, so the last write of each byte wins although storage
+    finishes writes out of order (each waits up to 20 ms)."""
+    import random
+
+    rng = random.Random(11)
+    model = bytearray(2 * MIB)
+    with running_mount(tmp_path, "--chunk-size", str(CHUNK), "--write-buffer", str(256 * 1024),
+                       "--write-jitter", "0.02") as m:
+        path = fresh_dir(m) / "f"
+        with open(path, "wb", buffering=0) as f:
+            f.write(model)
+            for i in range(3000):  # over a few hot pages, so flushes in flight keep holding the same bytes
+                off = rng.choice((rng.randrange(0, 2 * MIB - 5000), rng.randrange(0, 8) * 4096))
+                data = rng.randbytes(rng.choice((1, 512, 4096)))
+                f.seek(off)
+                f.write(data)
+                model[off:off + len(data)] = data
+        assert path.read_bytes() == bytes(model)
+
+
 def test_unaligned_small_writes_and_overwrite(d):
     p = d / "f"
     data = bytearray(pattern(3 * CHUNK + 17, 1))
@@ -425,6 +447,32 @@ def test_storage_errors_reach_the_writer(tmp_path):
         assert os.stat(p).st_size >= 1000
         with open(p, "rb") as f:
             assert f.read(1000) == b"a" * 1000
+    finally:
+        stop_mount(m)
+
+
+def test_a_failed_flush_of_gathered_small_writes_reaches_the_writer(tmp_path):
+    """Scattered small writes are gathered per chunk; when their flush fails, the writer hears it (once) at its
+    next write, fsync or close, and the bytes below the failure are kept."""
+    m = start_mount(tmp_path, "--chunk-size", str(CHUNK), "--fail-writes-from", str(MIB),
+                    "--write-buffer", str(256 * 1024))
+    try:
+        p = m.path / "f"
+        fd = os.open(p, os.O_CREAT | os.O_RDWR)
+        os.pwrite(fd, b"s" * 4096, 0)
+        for off in range(8192, MIB, 3 * 4096):  # below the limit: gathered, then flushed by fsync
+            os.pwrite(fd, b"a" * 4096, off)
+        os.fsync(fd)
+        codes = []
+        for op in (lambda: os.pwrite(fd, b"b" * 4096, MIB + 8192), lambda: os.pwrite(fd, b"c" * 4096, 40960),
+                   lambda: os.fsync(fd), lambda: os.close(fd)):
+            try:
+                op()
+            except OSError as e:
+                codes.append(e.errno)
+        assert codes == [errno.ENOSPC]
+        with open(p, "rb") as f:
+            assert f.read(4096) == b"s" * 4096 and f.read(4096) == bytes(4096) and f.read(4096) == b"a" * 4096
     finally:
         stop_mount(m)
 

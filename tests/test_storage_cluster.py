@@ -172,6 +172,34 @@ async def test_kill_chunkserver_during_writes_then_resync(cluster, processes, tm
     assert first and all(other == first for other in others)
 
 
+async def test_runs_of_a_chunk_are_one_version_on_every_replica(cluster, processes, tmp_path):
+    """write_runs: a mount's gathered scattered writes go down the chain as one update, so the chunk's version
+    moves by one; the bytes between the runs stay, and every replica holds the same chunk."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        chunk = LAYOUT.chunk_size
+        model = bytearray(os.urandom(chunk))
+        await storage.write(77, LAYOUT, chunk, model)  # chunk 1, version 1
+        rng = random.Random(5)
+        for _ in range(3):
+            starts = sorted(rng.sample(range(0, chunk - 8192, 8192), 40))
+            runs = [(chunk + start + rng.randrange(0, 100), os.urandom(rng.choice((1, 512, 4096)))) for start in starts]
+            await storage.write_runs(77, LAYOUT, runs)
+            for offset, data in runs:
+                model[offset - chunk:offset - chunk + len(data)] = data
+        out = bytearray(chunk)
+        await storage.read(77, LAYOUT, chunk, memoryview(out))
+        assert out == model
+        routing = await storage.routing()
+        (chain,) = routing.chains
+        stats = [await rpc.call(routing.addresses[t.node_id], p.CHUNK_STAT, p.ChunkStatQuery(t.target_id, ChunkId(77, 1)))
+                 for t in chain.targets]
+        assert {s.version for s in stats} == {4}  # one version per call, not one per run
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert first[ChunkId(77, 1)] == model and all(other == first for other in others)
+
+
 async def test_corrupt_replica_is_served_from_a_peer_and_repaired(cluster, processes, tmp_path):
     data = os.urandom(300_000)
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:

@@ -1,0 +1,102 @@
+"""Scattered small writes on a real cluster (``kvfs up``: three chunk servers, chains of three): the mount gathers
+them per chunk (fuse/writes.py, DirtyRuns) and still keeps the README's promises: reads through this mount see
+them, another mount sees them after close, fsync makes them survive a kill -9 of the mount, and the later of two
+opens' writes to the same bytes wins."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.register_assert_rewrite("cluster_fixtures")
+from cluster_fixtures import NEEDS_FUSE, second_mount, wait_until  # noqa: E402
+
+pytest_plugins = ["cluster_fixtures"]
+pytestmark = NEEDS_FUSE
+
+PAGE = 4096
+SIZE = 12 << 20  # three 4 MiB chunks of the default layout
+
+
+def scatter(fds: list[int], model: bytearray, writes: int, seed: int) -> None:
+    """``writes`` pwrites of 1 byte .. 3 pages at random places (some unaligned, some overlapping), each through
+    a random one of ``fds``; ``model`` follows them."""
+    rng = random.Random(seed)
+    for i in range(writes):
+        n = rng.choice((PAGE, PAGE, PAGE, 1, 100, 3 * PAGE))
+        off = rng.randrange(0, SIZE - n) // (PAGE if rng.random() < 0.8 else 1) * (PAGE if rng.random() < 0.8 else 1)
+        off = min(off, SIZE - n)
+        data = rng.randbytes(n)
+        os.pwrite(rng.choice(fds), data, off)
+        model[off:off + n] = data
+
+
+def test_random_writes_read_back_here_and_through_a_second_mount_after_close(kvfs_cluster, mnt_dir, tmp_path):
+    path = mnt_dir / "random"
+    model = bytearray(SIZE)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        os.ftruncate(fd, SIZE)
+        scatter([fd], model, 3000, seed=1)
+        assert os.pread(fd, SIZE, 0) == model  # reads through this mount see the gathered writes
+        scatter([fd], model, 500, seed=2)
+    finally:
+        os.close(fd)
+    with second_mount(kvfs_cluster, tmp_path / "second") as second:
+        assert (second / mnt_dir.name / "random").read_bytes() == model  # close-to-open
+
+
+def test_interleaved_opens_leave_the_later_write_of_each_byte(mnt_dir):
+    path = mnt_dir / "interleaved"
+    model = bytearray(SIZE)
+    path.write_bytes(model)
+    fds = [os.open(path, os.O_RDWR), os.open(path, os.O_WRONLY), os.open(path, os.O_RDWR)]
+    try:
+        for seed in range(3):
+            scatter(fds, model, 800, seed=10 + seed)
+            assert os.pread(fds[0], SIZE, 0) == model
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert path.read_bytes() == model
+
+
+def _mount_daemon(path: Path) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"mount" in argv and str(path).encode() in argv:
+                return int(entry)
+    raise AssertionError(f"no mount daemon serves {path}")
+
+
+def test_fsynced_scattered_writes_survive_a_kill_9_of_the_mount(kvfs_cluster, mnt_dir, tmp_path):
+    name = mnt_dir.name + "/fsynced"
+    model = bytearray(SIZE)
+    with second_mount(kvfs_cluster, tmp_path / "second") as second:
+        fd = os.open(second / name, os.O_CREAT | os.O_RDWR)
+        os.ftruncate(fd, SIZE)
+        scatter([fd], model, 2000, seed=3)
+        os.fsync(fd)
+        daemon = _mount_daemon(second)
+        os.kill(daemon, signal.SIGKILL)
+        wait_until(lambda: not Path(f"/proc/{daemon}").exists() or b"Z" in _state(daemon), 10, "the daemon to die")
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the connection is gone
+    assert (kvfs_cluster.mount / name).read_bytes() == model
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1][:3]
+    except OSError:
+        return b"Z"
