@@ -273,11 +273,11 @@ class WriteBack:
             return
         while h.runs_flushes >= RUNS_DEPTH:
             await h.flushes[0][2].wait()
-        runs, h.runs = h.runs, None
         if self.nursery is None:
-            await self._flush_runs(h, runs, "flush")
+            await self._flush_gathered(h)
             h.raise_error()
             return
+        runs, h.runs = h.runs, None
         spans = runs.spans()
         earlier = {done for s, e, done in h.flushes for lo, hi in spans if s < hi and lo < e}
         done = trio.Event()
@@ -335,9 +335,7 @@ class WriteBack:
         buffer and is kept for the handle's writer, as with a background flush: a reader that triggered the
         flush does not get it."""
         await self._wait_inflight(h)
-        if h.runs is not None:  # never the same bytes as the buffer: a write to one sends the other's out first
-            runs, h.runs = h.runs, None
-            await self._flush_runs(h, runs, "flush")
+        await self._flush_gathered(h)  # never the same bytes as the buffer: a write to one sends the other out first
         if not h.buf_len:
             return
         data = memoryview(h.buf)[:h.buf_len]
@@ -346,6 +344,17 @@ class WriteBack:
         finally:
             h.buf_len = 0
             data.release()
+
+    async def _flush_gathered(self, h: Handle) -> None:
+        """Write the open's gathered runs and wait for them (caller holds h.lock). They stay in ``h.runs`` until
+        written: the kernel sends one large read as several FUSE reads side by side, and one that comes meanwhile
+        must still find the inode dirty and wait for this lock, not read what storage holds yet."""
+        if h.runs is None:
+            return
+        try:
+            await self._flush_runs(h, h.runs, "flush")
+        finally:
+            h.runs = None
 
     async def _flush_runs(self, h: Handle, runs: DirtyRuns, what: str) -> None:
         lo, hi = runs.bounds()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,24 @@ def test_interleaved_opens_leave_the_later_write_of_each_byte(mnt_dir):
         for fd in fds:
             os.close(fd)
     assert path.read_bytes() == model
+
+
+def test_reads_side_by_side_all_wait_for_the_gathered_writes(mnt_dir):
+    """Reads that arrive while the first of them writes the gathered runs out must wait for it, not read
+    storage's older bytes (the kernel splits one large read into FUSE reads that run side by side)."""
+    path = mnt_dir / "side-by-side"
+    model = bytearray(SIZE)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR)
+    try:
+        os.ftruncate(fd, SIZE)
+        for seed in range(3):
+            scatter([fd], model, 1000, seed=20 + seed)
+            slices = [(off, 1 << 20) for off in range(0, SIZE, 1 << 20)]
+            with ThreadPoolExecutor(len(slices)) as pool:
+                got = list(pool.map(lambda s: os.pread(fd, s[1], s[0]), slices))
+            assert b"".join(got) == model
+    finally:
+        os.close(fd)
 
 
 def _mount_daemon(path: Path) -> int:
