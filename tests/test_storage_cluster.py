@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import sqlite3
 from pathlib import Path
@@ -283,6 +284,46 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
     replicas = replica_contents(tmp_path, (1, 2, 3))
     assert all(replica == replicas[0] for replica in replicas)
     assert b"".join(replicas[2][(9, i)] for i in range(3)) == newest
+
+
+
+async def _wait_for_state(mgmtd: MgmtdClient, target: int, state: TargetState) -> None:
+    with trio.fail_after(20):
+        while (await mgmtd.call(STATUS, Empty())).routing.chains[0].state_of(target) is not state:
+            await trio.sleep(0.1)
+
+
+async def test_a_rolled_back_last_serving_replica_pulls_the_writes_the_others_kept(processes, tmp_path):
+    """Issue #26 with real processes: the other two replicas stop (cleanly: they keep the newest write) and are
+    taken out, so the first is the last serving one when it dies with that write unflushed. It comes back behind;
+    it must serve nothing until it has pulled the newest write from the others, rather than resync them to its
+    older data."""
+    cluster = await start_cluster(processes, tmp_path, sync_interval=0)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
+        await storage.flush(9)
+        newest = os.urandom(3 << 20)
+        await storage.write(9, LAYOUT, 0, newest)
+        for node in (2, 3):
+            processes.kill(cluster.chunkservers[node][1], signal.SIGTERM)  # a clean stop flushes
+            await _wait_for_state(mgmtd, node * 100, TargetState.OFFLINE)
+        cluster.kill_chunkserver(1)  # the newest write was held in memory: it dies with the process
+        await _wait_for_state(mgmtd, 100, TargetState.LASTSRV)
+        assert b"".join(replica_contents(tmp_path, (1,))[0][(9, i)] for i in range(3)) != newest
+        cluster.start_chunkserver(1, cluster.chunkservers[1][0])
+        await _wait_for_state(mgmtd, 100, TargetState.SERVING)
+        assert (await mgmtd.call(STATUS, Empty())).routing.chains[0].recovering
+        for node in (2, 3):
+            cluster.start_chunkserver(node, cluster.chunkservers[node][0])
+        await wait_all_serving(mgmtd, 1, timeout=60)
+        out = bytearray(len(newest))
+        await storage.read(9, LAYOUT, 0, memoryview(out))
+        assert out == newest
+    processes.stop_all()
+    replicas = replica_contents(tmp_path, (1, 2, 3))
+    assert all(replica == replicas[0] for replica in replicas)
 
 
 async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path):
