@@ -724,7 +724,7 @@ class ChainMember:
         if job.outstanding is not None:
             return []  # duplicate answer to a retransmitted query
         if job.pull:
-            job.outstanding = {x.chunk_id for x in s.chunks if x.version > self._newest(x.chunk_id)}
+            job.outstanding = {x.chunk_id for x in s.chunks if self._pull_needed(x.chunk_id, x.version)}
             job.total = len(job.outstanding)
             return self._pull(job)
         theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
@@ -734,11 +734,13 @@ class ChainMember:
         job.total = len(differing)
         return self._resync_send(job, differing)
 
-    def _newest(self, cid: ChunkId) -> int:
+    def _pull_needed(self, cid: ChunkId, version: int) -> bool:
+        """Rule 9: whether the successor's committed ``version`` is newer than what we hold. Our pending version
+        was never acknowledged, so a committed one as new replaces it (it may be of a write the chain abandoned)."""
         c = self._chunks.get(cid)
         if c is None:
-            return 0
-        return max(c.committed, c.pending.update.version if c.pending is not None else 0)
+            return version > 0
+        return version > c.committed and (c.pending is None or version >= c.pending.update.version)
 
     def _pull(self, job: _ResyncJob) -> list[Effect]:
         """Rule 9: ask the syncing successor for the chunks it holds newer (or report that none are left)."""
@@ -759,9 +761,9 @@ class ChainMember:
         """A chunk the successor sent for a pull: store it as a pending version, committed once persisted."""
         if not u.resync or job.outstanding is None or c.cid not in job.outstanding:
             return []  # a duplicate of a chunk already pulled
-        if c.pending is not None and not c.pending.persisted:
+        if c.pending is not None and c.pending.pulled:
             return []  # a retransmitted copy while the first one is being stored
-        if u.version <= self._newest(c.cid):
+        if not self._pull_needed(c.cid, u.version):
             return self._harvested(c.cid)
         blocks = block_crcs(u.data or b"")
         if fold_crc(blocks, len(u.data or b"")) != u.crc:

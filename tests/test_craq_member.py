@@ -763,14 +763,17 @@ def test_a_recovering_member_holds_its_pending_version_until_the_chain_serves():
     assert member.chunk_versions(X) == (2, None)  # the chain serves: as the end of the chain it commits it
 
 
-@pytest.mark.parametrize(("theirs", "pulled"), [(2, False), (3, True)])
-def test_a_pull_skips_what_the_pending_version_already_holds(theirs: int, pulled: bool):
+@pytest.mark.parametrize(("theirs", "after"), [(1, (1, 2)), (2, (2, None)), (3, (3, None))])
+def test_a_committed_version_as_new_as_the_pending_one_replaces_it(theirs: int, after: tuple[int, int | None]):
+    """The pending version was never acknowledged (it may even be of a write the chain abandoned)."""
     chain = Chain(recovering(5, Y), engines={
-        1: engine({X: (1, b"x1")}, pending={X: (2, b"x2")}),
+        1: engine({X: (1, b"x1")}, pending={X: (2, b"mine")}),
         2: engine({X: (theirs, b"x%d" % theirs)}),
     })
     chain.deliver_all()
-    assert chain.members[1].chunk_versions(X) == ((3, None) if pulled else (1, 2))
+    assert chain.members[1].chunk_versions(X) == after
+    if theirs > 1:
+        assert chain.engines[1].committed[X].data == b"x%d" % theirs
     assert chain.mgmtd == [ResyncDone(1, 5, 2)]
 
 
