@@ -140,6 +140,8 @@ class ClusterManager:
         """Record a heartbeat; returns the reply and the ids of chains that changed."""
         node = self.state.nodes.get(hb.node_id)
         changed: list[int] = []
+        # an incarnation's unclean stop counts once, when it first shows up: cut off later, it lost nothing more
+        unclean = set(hb.unclean_targets) if node is None or node.incarnation != hb.incarnation else set()
         if node is not None and node.alive and node.incarnation != hb.incarnation:
             changed += self._node_down(hb.node_id)  # restarted between two heartbeats
         if node is None:
@@ -147,7 +149,7 @@ class ClusterManager:
         node.address, node.incarnation, node.last_heartbeat = hb.address, hb.incarnation, now
         if not node.alive:
             node.alive = True
-        changed += self._node_up(hb.node_id, set(hb.unclean_targets), now)
+        changed += self._node_up(hb.node_id, unclean, now)
         changed += self._start_resyncs()
         reply = HeartbeatReply(self.routing(), hb.sent_at + self.lease)
         return reply, sorted(set(changed))

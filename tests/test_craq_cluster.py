@@ -160,6 +160,21 @@ def test_a_rolled_back_target_that_restarts_again_waits_for_every_other_target_a
     assert mgr.state.recoveries[1].awaiting == [20, 30]
 
 
+def test_an_unclean_stop_counts_once_per_incarnation():
+    """Cut off again later, the same incarnation lost nothing more: as last serving target it serves at once."""
+    mgr = lastsrv_back(unclean=True, replicas=2)
+    beat(mgr, 2, 3.2)
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert not mgr.state.chains[1].recovering
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert layout(mgr, 1) == [(10, S), (20, S)]
+    beat(mgr, 1, 4.0, incarnation=2, unclean=(10,))
+    mgr.tick(4.5)  # 20 is gone: 10 serves alone
+    mgr.tick(5.5)  # and is cut off
+    assert layout(mgr, 1) == [(10, L), (20, O)]
+    beat(mgr, 1, 5.6, incarnation=2, unclean=(10,))
+    assert layout(mgr, 1) == [(10, S), (20, O)] and not mgr.state.chains[1].recovering
+
 def test_a_single_replica_chain_has_nobody_to_wait_for():
     mgr = ClusterManager(heartbeat_timeout=1.0, lease=0.5)
     mgr.create_chains([(10, 1)], 1)

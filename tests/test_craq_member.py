@@ -783,7 +783,7 @@ def test_a_lost_pull_is_asked_again_and_a_duplicate_copy_is_ignored():
     chain.run(2, chain.members[2].handle(chain.outbox.pop()[1]))  # the query; the list comes back
     chain.run(1, member.handle(chain.outbox.pop()[1]))
     (_, pull), = chain.outbox
-    assert pull == ResyncPull(1, 5, 1, (X,))
+    assert pull == ResyncPull(1, 5, 1, (X,)) and member.resync_progress() == (2, 1, 1)
     chain.outbox.clear()  # lost
     chain.run(1, member.handle(Tick(1.0)))
     (_, again), = chain.outbox
