@@ -36,8 +36,9 @@ Rules
    back after it may have lost unflushed writes) the serving member is *fenced*: it answers reads and writes
    "retry" (EAGAIN), neither forwards nor commits its pending versions, and resyncs its syncing successor
    backwards: from the successor's list it asks (:class:`ResyncPull`) for every chunk the successor committed
-   newer than anything it holds, commits each once persisted, and then reports :class:`ResyncDone`. While the fenced member has served nothing, every replica's committed versions of a
-   chunk are prefixes of one lineage, so the newest one is the right one and equal versions hold equal bytes.
+   newer than anything it holds, commits each once persisted, and then reports :class:`ResyncDone`. While the
+   fenced member has served nothing, every replica's committed versions of a chunk are prefixes of one lineage,
+   so the newest one is the right one and equal versions hold equal bytes.
 
 Theory of operation
 -------------------
