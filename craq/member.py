@@ -487,8 +487,8 @@ class ChainMember:
         """A client write at the head: start it, attach it to the same pending write, or queue it."""
         if self._write_chain()[0] != self.target_id:
             raise ProtocolError(f"write for chunk {w.chunk_id} at non-head target {self.target_id}")
-        blocks = block_crcs(w.data or b"")
-        if fold_crc(blocks, len(w.data or b"")) != w.crc:
+        blocks = _checked_blocks(w)
+        if blocks is None:
             return [self._reply(w.chunk_id, (w.client_id, w.request_id), ChecksumMismatch("write data CRC"))]
         key = (w.client_id, w.request_id)
         if self._fenced():
@@ -524,13 +524,13 @@ class ChainMember:
         """An update from the predecessor (rule 3), or a pulled chunk from the successor (rule 9)."""
         job = self._resync
         if job is not None and job.pull and u.from_target == job.target:
-            return self._pulled(c, u, job)
+            return self._pulled(c, u)
         chain = self._write_chain()
         i = chain.index(self.target_id)
         if i == 0 or chain[i - 1] != u.from_target:
             raise ProtocolError(f"update from {u.from_target}, not the predecessor of {self.target_id}")
-        blocks = block_crcs(u.data or b"")
-        if fold_crc(blocks, len(u.data or b"")) != u.crc:
+        blocks = _checked_blocks(u)
+        if blocks is None:
             return [self._ack(u, AckStatus.CHECKSUM, c)]
         p = c.pending
         if p is not None and not p.orphan and u.version == p.update.version:
@@ -755,27 +755,24 @@ class ChainMember:
         """At the syncing successor: send the recovering predecessor our committed version of each chunk."""
         if self.state is not TargetState.SYNCING or q.from_target != self._predecessor():
             raise ProtocolError(f"resync pull from {q.from_target} at {self.state} target {self.target_id}")
-        return [SendChunk(q.from_target, self._full_update(c, c.committed, c.crc, resync=True))
-                for c in (self._chunks.get(cid) for cid in q.chunks) if c is not None and c.committed]
+        chunks = [self._chunks[cid] for cid in q.chunks if cid in self._chunks]  # it asks only for ones we listed
+        return [SendChunk(q.from_target, self._full_update(c, c.committed, c.crc, resync=True)) for c in chunks]
 
-    def _pulled(self, c: _Chunk, u: UpdateReq, job: _ResyncJob) -> list[Effect]:
+    def _pulled(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
         """A chunk the successor sent for a pull: store it as a pending version, committed once persisted."""
-        if not u.resync or job.outstanding is None or c.cid not in job.outstanding:
-            return []  # a duplicate of a chunk already pulled
-        if c.pending is not None and c.pending.pulled:
-            return []  # a retransmitted copy while the first one is being stored
-        if not self._pull_needed(c.cid, u.version):
-            return self._harvested(c.cid)
-        blocks = block_crcs(u.data or b"")
-        if fold_crc(blocks, len(u.data or b"")) != u.crc:
-            return []  # the next pull retransmits it
+        if (c.pending is not None and c.pending.pulled) or not self._pull_needed(c.cid, u.version):
+            return []  # a retransmitted copy: being stored, or stored
+        blocks = _checked_blocks(u)
+        if blocks is None:
+            return []  # the next pull asks again
         effects = self._accept(c, u, blocks)
         c.pending.pulled = True
         return effects
 
     def _harvested(self, cid: ChunkId) -> list[Effect]:
+        """A pulled chunk is committed: report ResyncDone once none is left (unless the job ended meanwhile)."""
         job = self._resync
-        if job is None or not job.pull or job.outstanding is None or cid not in job.outstanding:
+        if job is None or cid not in (job.outstanding or ()):
             return []
         job.outstanding.discard(cid)
         return self._resync_maybe_done(job)
@@ -871,6 +868,12 @@ class ChainMember:
 
 
 _IN_CHAIN = (TargetState.SERVING, TargetState.SYNCING)
+
+
+def _checked_blocks(m: WriteReq | UpdateReq) -> list[int] | None:
+    """The CRC32Cs of the data's 64 KiB blocks, or None if they do not fold into the message's CRC (rule 5)."""
+    blocks = block_crcs(m.data or b"")
+    return blocks if fold_crc(blocks, len(m.data or b"")) == m.crc else None
 
 # (chunk phase, event type) -> action. A missing pair is a protocol error.
 _TRANSITIONS: dict[tuple[Phase, type], Callable[[ChainMember, _Chunk, Event], list[Effect]]] = {

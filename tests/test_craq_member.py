@@ -45,6 +45,7 @@ class Chain:
         self.replies: list = []
         self.mgmtd: list = []
         self.outbox: list[tuple[int, object]] = []  # (target, message) not yet delivered
+        self.sent: list[tuple[int, object]] = []  # (sender, message), everything ever sent
         self.full: set[int] = set()  # targets whose disk is full
         self.aborted: list[tuple[int, Abort]] = []
         for m in self.members.values():
@@ -66,8 +67,10 @@ class Chain:
                 self.aborted.append((target, e))
             elif isinstance(e, Send):
                 self.outbox.append((e.target, e.msg))
+                self.sent.append((target, e.msg))
             elif isinstance(e, SendChunk):
                 self.outbox.append((e.target, msgspec.structs.replace(e.msg, data=engine.read(e.msg.chunk_id, e.msg.version))))
+                self.sent.append((target, e.msg))
             elif isinstance(e, ReplyClient):
                 self.replies.append(e.msg)
             elif isinstance(e, ReportToMgmtd):
@@ -736,6 +739,7 @@ def test_a_recovering_member_pulls_the_newer_chunks_and_copies_nothing_forward()
     assert [chain.members[1].chunk_versions(c) for c in (X, Y_, Z)] == [(4, None), (5, None), (1, None)]
     assert chain.engines[1].committed[X].data == b"x4" and chain.engines[1].committed[Z].data == b"z1"
     assert chain.engines[2].committed[Y_].data == b"y2"  # nothing was copied forward: the target syncs again later
+    assert not [m for sender, m in chain.sent if sender == 1 and isinstance(m, UpdateReq)]
     assert chain.mgmtd == [ResyncDone(1, 5, 2)]
 
 
@@ -799,3 +803,50 @@ def test_only_the_predecessor_of_a_syncing_member_may_pull_from_it():
     chain = Chain(recovering(5, Y), engines={2: engine({X: (4, b"x4")})})
     with pytest.raises(ProtocolError):
         chain.members[2].handle(ResyncPull(1, 5, 3, (X,)))
+
+
+def _pulled_copy(chain: Chain) -> UpdateReq:
+    """Run the resync of target 2 by target 1 up to the first copy that 2 sends back, and return it undelivered."""
+    while not any(isinstance(m, UpdateReq) for _, m in chain.outbox):
+        target, msg = chain.outbox.pop(0)
+        chain.run(target, chain.members[target].handle(msg))
+    (_, copy), = chain.outbox
+    chain.outbox.clear()
+    return copy
+
+
+def test_a_pulled_copy_is_stored_once_and_a_corrupt_one_is_dropped():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    copy = _pulled_copy(chain)
+    assert member.handle(msgspec.structs.replace(copy, crc=copy.crc ^ 1)) == []  # the next pull asks again
+    (persist,) = member.handle(copy)
+    assert isinstance(persist, PersistPending) and persist.version == 4
+    assert member.handle(copy) == []  # a retransmitted copy while the first one is being stored
+    effects = member.handle(Persisted(X, 4, crc32c(b"x4"), 2))
+    assert effects == [Commit(X, 4), ReportToMgmtd(ResyncDone(1, 5, 2))]
+    assert member.handle(copy) == []  # and after
+
+
+def test_a_pull_is_asked_again_only_once_its_interval_passed():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    chain.run(1, member.handle(Tick(1.0)))  # the query is asked again (as if lost)
+    chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))
+    chain.outbox.pop(0)
+    chain.run(1, member.handle(Tick(1.04)))
+    chain.run(1, member.handle(chain.outbox.pop()[1]))  # the list arrives: the pull goes out at 1.04
+    assert [type(m) for _, m in chain.outbox] == [ResyncPull]
+    chain.run(1, member.handle(Tick(1.06)))
+    assert len(chain.outbox) == 1
+    chain.run(1, member.handle(Tick(1.1)))
+    assert [type(m) for _, m in chain.outbox] == [ResyncPull, ResyncPull]
+
+
+def test_a_pulled_copy_stored_after_the_chain_changed_is_committed_without_a_report():
+    """The returning target went away again: the pulled version is still one the chain committed; keep it."""
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    assert [type(e) for e in member.handle(_pulled_copy(chain))] == [PersistPending]
+    chain.reconfigure(recovering(6, O), 1)
+    assert member.handle(Persisted(X, 4, crc32c(b"x4"), 2)) == [Commit(X, 4)]
