@@ -34,6 +34,8 @@ from kvfs.errors import KvfsError
 
 from kvfs.craq.messages import ChainConfig, ChainTarget, ResyncDone, TargetState
 
+log = logging.getLogger("kvfs.mgmtd")
+
 
 class NodeInfo(msgspec.Struct):
     node_id: int
@@ -41,9 +43,6 @@ class NodeInfo(msgspec.Struct):
     incarnation: int
     last_heartbeat: float
     alive: bool = True
-
-
-log = logging.getLogger("kvfs.mgmtd")
 
 
 class Recovery(msgspec.Struct):
