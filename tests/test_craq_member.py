@@ -850,3 +850,12 @@ def test_a_pulled_copy_stored_after_the_chain_changed_is_committed_without_a_rep
     assert [type(e) for e in member.handle(_pulled_copy(chain))] == [PersistPending]
     chain.reconfigure(recovering(6, O), 1)
     assert member.handle(Persisted(X, 4, crc32c(b"x4"), 2)) == [Commit(X, 4)]
+
+
+def test_a_pulled_copy_stored_after_the_recovery_ended_goes_down_the_chain_like_any_pending_version():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    member.handle(_pulled_copy(chain))
+    chain.reconfigure(recovering(6, Y, recovering=False), 1)
+    (forward,) = member.handle(Persisted(X, 4, crc32c(b"x4"), 2))
+    assert isinstance(forward, SendChunk) and forward.target == 2 and forward.msg.version == 4
