@@ -10,6 +10,8 @@ into a free *slot* beside the committed one, and ``commit`` only flips metadata.
 On-disk format (under ``root``)::
 
     LOCK                 flock()ed while an engine has the target open (one engine per target)
+    CLEAN                written durably by ``close`` after its flush, removed at open: its absence at open
+                         means the last stop was unclean (``ChunkEngine.unclean_stop``)
     chunks.sqlite        SQLite, WAL mode, synchronous=FULL (OFF when fsync=False)
     data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
@@ -133,6 +135,16 @@ from kvfs.crc import BLOCK, bad_block, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 log = logging.getLogger("kvfs.chunkserver.engine")
+
+CLEAN_MARKER = "CLEAN"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ChunkVersion(msgspec.Struct, frozen=True):
@@ -285,28 +297,36 @@ class ChunkEngine:
         except BlockingIOError:
             os.close(self._lockfd)
             raise KvfsError(f"target {self.root} is open in another engine", errno.EBUSY) from None
+        existed = (self.root / rows.DB_NAME).exists()
         self._rows = rows.RowStore(self.root, fsync=fsync)
         self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock,
                                 reserve_bytes=reserve_bytes)
         self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free)
-        self._drop_torn_versions()
+        torn = self._drop_torn_versions()
+        clean = self.root / CLEAN_MARKER
+        #: Opened after an unclean stop in write-back mode (a kill, a crash, a power loss: no record of a clean
+        #: close, or torn versions found): acknowledged writes no flush covered may be gone. The chunk server says
+        #: so in its heartbeats, so that mgmtd does not let this target serve alone while another replica may hold
+        #: them (craq/README.md, "Recovery").
+        self.unclean_stop = torn or (self._write_back and existed and not clean.exists())
+        clean.unlink(missing_ok=True)  # durable with the directory fsync below, before any write is taken
+        if self.unclean_stop:
+            log.warning("target %s: opened after an unclean stop; acknowledged writes no flush covered may be lost"
+                        " here (mgmtd lets it serve alone only after the other replicas returned)", self.root)
         self._load()
         if fsync:
             for d in (self.root, self.root / "data"):
-                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                _fsync_dir(d)
 
-    def _drop_torn_versions(self) -> None:
+    def _drop_torn_versions(self) -> bool:
         """After a crash in write-back mode, check every version staged since the last flush: a power loss may
         have kept its row but not all of its data. A torn committed version gives way to the flushed one it
         superseded (a torn pending one, or one newer than a restored one, is dropped: the chain resyncs it), so
-        nothing a flush covered is lost. Then everything is flushed and no superseded version is needed."""
+        nothing a flush covered is lost. Then everything is flushed and no superseded version is needed.
+        Returns whether any version was torn."""
         listed = self._rows.unflushed_versions()
         if not listed:
-            return
+            return False
         torn: dict[tuple[int, int], dict[int, int]] = {}  # chunk -> {pending state: version} of its torn versions
         for inode, idx, pending, version, length, crc, blob, cls, slot in listed:
             try:
@@ -333,6 +353,7 @@ class ChunkEngine:
             for cls in self._slots.files:  # what was checked came from the page cache: make it what the disk holds
                 self._slots.flush(cls)
         self._execute(*statements, rows.FORGET_KEPT, rows.FORGET_ALL_UNFLUSHED, durable=True)
+        return bool(torn)
 
     def _load(self) -> None:
         """Rebuild the index from the rows; every slot no row names is free."""
@@ -348,9 +369,16 @@ class ChunkEngine:
         self._slots.mark_used(used)
 
     def close(self) -> None:
-        """Flush, then release files and the target lock; the engine is unusable afterwards."""
+        """Flush, record the clean stop, then release files and the target lock; the engine is unusable afterwards."""
         try:
             self.flush()
+            if self._fsync:
+                fd = os.open(self.root / CLEAN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                _fsync_dir(self.root)
         finally:
             self._close_files()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvfs.craq.messages import ChunkId, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.craq.messages import ChunkId, ResyncPull, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
 from kvfs.wire import Empty, Limits, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
@@ -23,7 +23,7 @@ CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
 class PeerEnvelope(msgspec.Struct, array_like=True):
     """One replication message between members of a chain; one-way, answered by a later message."""
 
-    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState
+    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState | ResyncPull
 
 
 class ReadRange(msgspec.Struct, array_like=True):

@@ -73,6 +73,9 @@ def delete_indexes(inode: int, indexes: list[int]) -> Statement:
     return (f"DELETE FROM versions WHERE inode=? AND idx IN ({','.join('?' * len(indexes))})", (inode, *indexes))
 
 
+DB_NAME = "chunks.sqlite"
+
+
 class RowStore:
     """``root/chunks.sqlite``: WAL mode, synchronous=FULL for durable transactions (OFF when ``fsync=False``)."""
 
@@ -80,7 +83,7 @@ class RowStore:
         self.root = root
         self._fsync = fsync
         self.dirty = False  # a transaction since the last fsync'ed one
-        self._db = sqlite3.connect(root / "chunks.sqlite", check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(root / DB_NAME, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._synchronous = "FULL" if fsync else "OFF"
         self._db.execute(f"PRAGMA synchronous={self._synchronous}")

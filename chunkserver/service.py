@@ -162,6 +162,8 @@ class ChunkServer:
         self._readers = Workers("chunk-read")
         self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
+        #: targets that may have lost acknowledged unflushed writes before this incarnation (engine.unclean_stop)
+        self.unclean_targets = tuple(sorted(t for t, engine in engines.items() if engine.unclean_stop))
 
     def register_handlers(self, server: RpcServer) -> None:
         for method, handler in (
@@ -226,7 +228,8 @@ class ChunkServer:
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock(), self.resync_progress())
+                hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock(), self.resync_progress(),
+                               self.unclean_targets)
                 reply = await self.mgmtd.call(HEARTBEAT, hb, timeout=self.heartbeat_interval * 2)
                 self._apply_routing(reply.routing, reply.lease_until)
             except KvfsError as exc:

@@ -10,6 +10,13 @@ Rules
 - A target whose node is alive again becomes waiting (a lastsrv target serving again, if nothing else serves);
   one waiting target per chain at a time becomes syncing, placed right after the serving ones; after its
   predecessor reports :class:`ResyncDone` for the current chain version it becomes serving.
+- Recovery: a lastsrv target whose heartbeat says it may have lost unflushed writes (``unclean_targets``: its
+  engine opened after an unclean stop in write-back mode) must not serve its rolled-back versions while another
+  target of the chain may return with newer ones it acknowledged. It becomes serving in a *recovering* chain
+  (:attr:`ChainConfig.recovering`: it serves nothing), every other target of the chain is awaited, and each
+  returning one syncs in turn only so that the recovering target pulls the chunks it holds newer; its
+  :class:`ResyncDone` puts it back to waiting. Once none is awaited, or after ``recovery_wait`` (a target lost for
+  good; logged loudly, since what only it held is lost), the chain serves and resyncs the others as usual.
 - Chain order is always serving, syncing, waiting, lastsrv, offline (stable within a state, newly down last).
 - Heartbeat replies grant a read lease of ``lease`` (< ``heartbeat_timeout``) from the heartbeat's send time,
   so a node mgmtd declares dead has stopped serving reads by then.
@@ -19,11 +26,15 @@ Every piece of state is a msgspec Struct (:class:`ClusterState`) so the service 
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from kvfs.errors import KvfsError
 
 from kvfs.craq.messages import ChainConfig, ChainTarget, ResyncDone, TargetState
+
+log = logging.getLogger("kvfs.mgmtd")
 
 
 class NodeInfo(msgspec.Struct):
@@ -34,10 +45,19 @@ class NodeInfo(msgspec.Struct):
     alive: bool = True
 
 
+class Recovery(msgspec.Struct):
+    """A chain whose only serving target may have lost unflushed writes: the targets it waits for."""
+
+    target_id: int
+    since: float
+    awaiting: list[int]
+
+
 class ClusterState(msgspec.Struct):
     nodes: dict[int, NodeInfo] = {}
     target_nodes: dict[int, int] = {}  # target id -> node id
     chains: dict[int, ChainConfig] = {}
+    recoveries: dict[int, Recovery] = {}  # chain id -> its recovery, while the chain is recovering
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -47,6 +67,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     sent_at: float  # the node's clock; the lease counts from here
     #: resyncs this node drives: syncing target id -> (chunks still to copy, chunks to copy in all; -1 unknown)
     resync: dict[int, tuple[int, int]] = {}
+    #: targets whose engine opened after an unclean stop in write-back mode: they may have lost acknowledged
+    #: writes no flush covered, so they must not serve alone while another replica may hold them (Recovery)
+    unclean_targets: tuple[int, ...] = ()
 
 
 class RoutingSnapshot(msgspec.Struct, frozen=True, tag=True):
@@ -71,11 +94,15 @@ _ORDER = {TargetState.SERVING: 0, TargetState.SYNCING: 1, TargetState.WAITING: 2
 class ClusterManager:
     """mgmtd's decisions. The service persists :attr:`state` after every call that returns changed chains."""
 
-    def __init__(self, heartbeat_timeout: float, lease: float, state: ClusterState | None = None) -> None:
+    def __init__(self, heartbeat_timeout: float, lease: float, state: ClusterState | None = None, *,
+                 recovery_wait: float = 600.0) -> None:
+        """``recovery_wait``: how long a recovering chain waits for its other targets before it serves without
+        them (they may be lost for good); what only they held is lost then."""
         if not 0 < lease < heartbeat_timeout:
             raise ValueError("the read lease must be shorter than the failure timeout")
         self.heartbeat_timeout = heartbeat_timeout
         self.lease = lease
+        self.recovery_wait = recovery_wait
         self.state = state or ClusterState()
 
     # ------------------------------------------------------------------------------------ chain tables
@@ -112,6 +139,8 @@ class ClusterManager:
         """Record a heartbeat; returns the reply and the ids of chains that changed."""
         node = self.state.nodes.get(hb.node_id)
         changed: list[int] = []
+        # an incarnation's unclean stop counts once, when it first shows up: cut off later, it lost nothing more
+        unclean = set(hb.unclean_targets) if node is None or node.incarnation != hb.incarnation else set()
         if node is not None and node.alive and node.incarnation != hb.incarnation:
             changed += self._node_down(hb.node_id)  # restarted between two heartbeats
         if node is None:
@@ -119,7 +148,7 @@ class ClusterManager:
         node.address, node.incarnation, node.last_heartbeat = hb.address, hb.incarnation, now
         if not node.alive:
             node.alive = True
-        changed += self._node_up(hb.node_id)
+        changed += self._node_up(hb.node_id, unclean, now)
         changed += self._start_resyncs()
         reply = HeartbeatReply(self.routing(), hb.sent_at + self.lease)
         return reply, sorted(set(changed))
@@ -131,15 +160,33 @@ class ClusterManager:
             if node.alive and now - node.last_heartbeat > self.heartbeat_timeout:
                 node.alive = False
                 changed += self._node_down(node.node_id)
+        for chain_id, recovery in list(self.state.recoveries.items()):
+            if now - recovery.since >= self.recovery_wait:
+                log.error("chain %d: targets %s did not return within %.0f s; target %d serves without them, and"
+                          " acknowledged writes only they held are lost", chain_id, recovery.awaiting,
+                          self.recovery_wait, recovery.target_id)
+                del self.state.recoveries[chain_id]
+                self._set(self.state.chains[chain_id], {})
+                changed.append(chain_id)
         changed += self._start_resyncs()
         return sorted(set(changed))
 
     def resync_done(self, msg: ResyncDone) -> list[int]:
-        """The syncing target's predecessor copied everything: make it serving (if nothing changed since)."""
+        """The syncing target's predecessor copied everything: make it serving (if nothing changed since). In a
+        recovering chain the predecessor pulled what the target held newer: it waits again for the chain to serve."""
         chain = self.state.chains.get(msg.chain_id)
         if chain is None or chain.chain_version != msg.chain_version or chain.state_of(msg.target_id) is not TargetState.SYNCING:
             return []
-        self._set(chain, {msg.target_id: TargetState.SERVING})
+        recovery = self.state.recoveries.get(msg.chain_id)
+        if recovery is None:
+            self._set(chain, {msg.target_id: TargetState.SERVING})
+        else:
+            recovery.awaiting = [t for t in recovery.awaiting if t != msg.target_id]
+            if not recovery.awaiting:
+                log.warning("chain %d: target %d recovered every newer chunk; serving again", msg.chain_id,
+                            recovery.target_id)
+                del self.state.recoveries[msg.chain_id]
+            self._set(chain, {msg.target_id: TargetState.WAITING})
         return sorted({msg.chain_id, *self._start_resyncs()})
 
     # ------------------------------------------------------------------------------------- transitions
@@ -163,7 +210,7 @@ class ClusterManager:
                 changed.append(chain.chain_id)
         return changed
 
-    def _node_up(self, node_id: int) -> list[int]:
+    def _node_up(self, node_id: int, unclean: set[int], now: float) -> list[int]:
         mine = self._targets_of(node_id)
         changed = []
         for chain in list(self.state.chains.values()):
@@ -174,6 +221,11 @@ class ClusterManager:
                     new[t.target_id] = TargetState.WAITING
                 elif t.target_id in mine and t.state is TargetState.LASTSRV and not serving:
                     new[t.target_id] = TargetState.SERVING
+                    others = [o.target_id for o in chain.targets if o.target_id != t.target_id]
+                    if t.target_id in unclean and others:
+                        log.warning("chain %d: last serving target %d may have lost unflushed writes; it pulls newer"
+                                    " chunks from targets %s before it serves", chain.chain_id, t.target_id, others)
+                        self.state.recoveries[chain.chain_id] = Recovery(t.target_id, now, others)
             if new:
                 self._set(chain, new)
                 changed.append(chain.chain_id)
@@ -185,17 +237,21 @@ class ClusterManager:
             states = [t.state for t in chain.targets]
             if TargetState.SYNCING in states or TargetState.SERVING not in states:
                 continue
+            recovery = self.state.recoveries.get(chain.chain_id)
             waiting = next((t for t in chain.targets if t.state is TargetState.WAITING
-                            and self.state.nodes[t.node_id].alive), None)
+                            and self.state.nodes[t.node_id].alive
+                            and (recovery is None or t.target_id in recovery.awaiting)), None)
             if waiting is not None:
                 self._set(chain, {waiting.target_id: TargetState.SYNCING})
                 changed.append(chain.chain_id)
         return changed
 
     def _set(self, chain: ChainConfig, new: dict[int, TargetState], to_end: bool = False) -> None:
-        """Apply state changes, reorder (changed targets last within their state if ``to_end``), bump version."""
+        """Apply state changes, reorder (changed targets last within their state if ``to_end``), bump version; the
+        chain is recovering while it has a :class:`Recovery`."""
         targets = [msgspec.structs.replace(t, state=new.get(t.target_id, t.state)) for t in chain.targets]
         if to_end:
             targets.sort(key=lambda t: t.target_id in new)
         targets.sort(key=lambda t: _ORDER[t.state])
-        self.state.chains[chain.chain_id] = ChainConfig(chain.chain_id, chain.chain_version + 1, tuple(targets))
+        self.state.chains[chain.chain_id] = ChainConfig(chain.chain_id, chain.chain_version + 1, tuple(targets),
+                                                        chain.chain_id in self.state.recoveries)

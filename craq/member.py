@@ -32,6 +32,13 @@ Rules
    request id it includes per client, adopted when the version commits (never earlier: a pending write may
    be dropped), so a retry at any (new) head attaches to the pending write or is answered from the committed
    table. Clients issue one write at a time per chunk, with growing request ids.
+9. Recovery: in a recovering chain (:attr:`ChainConfig.recovering`, set by mgmtd when the only serving target came
+   back after it may have lost unflushed writes) the serving member is *fenced*: it answers reads and writes
+   "retry" (EAGAIN), neither forwards nor commits its pending versions, and resyncs its syncing successor
+   backwards: from the successor's list it asks (:class:`ResyncPull`) for every chunk the successor committed
+   newer than anything it holds, commits each once persisted, and then reports :class:`ResyncDone`. While the
+   fenced member has served nothing, every replica's committed versions of a chunk are prefixes of one lineage,
+   so the newest one is the right one and equal versions hold equal bytes.
 
 Theory of operation
 -------------------
@@ -83,6 +90,7 @@ from kvfs.craq.messages import (
     ChunkSummary,
     Msg,
     ResyncDone,
+    ResyncPull,
     ResyncQuery,
     ResyncState,
     TargetState,
@@ -133,7 +141,9 @@ class Tick:
     now: float
 
 
-Event = Union[Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, ResyncQuery, ResyncState]
+Event = Union[
+    Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, ResyncQuery, ResyncState, ResyncPull,
+]
 
 # --------------------------------------------------------------------------------------------- effects
 
@@ -269,6 +279,7 @@ class _Pending:
     sent_at: float = 0.0
     maybe_visible: bool = False  # held when this member became read tail: must commit before serving
     orphan: bool = False  # from before this member started syncing: another lineage, never committed
+    pulled: bool = False  # a recovering member's copy of a newer committed version (rule 9): commit, don't forward
     waiters: list[tuple[int, int]] = field(default_factory=list)  # head only: (client_id, request_id)
 
 
@@ -315,6 +326,7 @@ class _ResyncJob:
     sent_at: float = 0.0
     done: bool = False  # ResyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
     total: int = 0  # chunks found to differ, for progress reports
+    pull: bool = False  # recovering (rule 9): ``outstanding`` are chunks to pull from the successor, not to copy
 
 
 # ------------------------------------------------------------------------------------------- the member
@@ -458,6 +470,8 @@ class ChainMember:
                 return self._resync_query(event)
             if isinstance(event, ResyncState):
                 return self._resync_state(event)
+            if isinstance(event, ResyncPull):
+                return self._resync_pull(event)
             if isinstance(event, (WriteReq, UpdateReq, UpdateAck)):
                 return self._dispatch(self._chunk(event.chunk_id), event)
         raise ProtocolError(f"unexpected event {type(event).__name__}")
@@ -474,10 +488,12 @@ class ChainMember:
         """A client write at the head: start it, attach it to the same pending write, or queue it."""
         if self._write_chain()[0] != self.target_id:
             raise ProtocolError(f"write for chunk {w.chunk_id} at non-head target {self.target_id}")
-        blocks = block_crcs(w.data or b"")
-        if fold_crc(blocks, len(w.data or b"")) != w.crc:
+        blocks = _checked_blocks(w)
+        if blocks is None:
             return [self._reply(w.chunk_id, (w.client_id, w.request_id), ChecksumMismatch("write data CRC"))]
         key = (w.client_id, w.request_id)
+        if self._fenced():
+            return [self._reply(w.chunk_id, key, NotCommitted(f"chain {self.chain_id} is recovering; retry"))]
         if c.pending is not None and (c.pending.update.client_id, c.pending.update.request_id) == key:
             if key not in c.pending.waiters:
                 c.pending.waiters.append(key)
@@ -506,13 +522,16 @@ class ChainMember:
     # -------------------------------------------------------------------------------------- updates
 
     def _update(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
-        """An update from the predecessor (rule 3)."""
+        """An update from the predecessor (rule 3), or a pulled chunk from the successor (rule 9)."""
+        job = self._resync
+        if job is not None and job.pull and u.from_target == job.target:
+            return self._pulled(c, u)
         chain = self._write_chain()
         i = chain.index(self.target_id)
         if i == 0 or chain[i - 1] != u.from_target:
             raise ProtocolError(f"update from {u.from_target}, not the predecessor of {self.target_id}")
-        blocks = block_crcs(u.data or b"")
-        if fold_crc(blocks, len(u.data or b"")) != u.crc:
+        blocks = _checked_blocks(u)
+        if blocks is None:
             return [self._ack(u, AckStatus.CHECKSUM, c)]
         p = c.pending
         if p is not None and not p.orphan and u.version == p.update.version:
@@ -550,6 +569,8 @@ class ChainMember:
         c.pending.persisted, c.pending.chunk_crc, c.pending.chunk_len = True, e.chunk_crc, e.chunk_len
         if self.state not in _IN_CHAIN:
             return []
+        if c.pending.pulled and self._fenced():
+            return self._commit(c) + self._harvested(c.cid)
         return self._forward(c) if self._successor() else self._commit(c)
 
     def _forward(self, c: _Chunk) -> list[Effect]:
@@ -672,11 +693,11 @@ class ChainMember:
             if not is_head:
                 effects += [self._reply(cid, (w.client_id, w.request_id), StaleRouting("head moved")) for w in c.queue]
                 c.queue.clear()
-            if in_chain and p is not None and p.persisted:
+            if in_chain and p is not None and p.persisted and not self._fenced():
                 effects += self._forward(c) if self._successor() else self._commit(c)
         succ = self._successor() if in_chain else None
         if state is TargetState.SERVING and succ is not None and cfg.state_of(succ) is TargetState.SYNCING:
-            self._resync = _ResyncJob(succ, sent_at=self.now)
+            self._resync = _ResyncJob(succ, sent_at=self.now, pull=self._fenced())
             effects.append(Send(succ, ResyncQuery(self.chain_id, self.chain_version, self.target_id)))
         return effects
 
@@ -704,12 +725,58 @@ class ChainMember:
             raise ProtocolError(f"resync state from {s.from_target} without a resync job")
         if job.outstanding is not None:
             return []  # duplicate answer to a retransmitted query
+        if job.pull:
+            job.outstanding = {x.chunk_id for x in s.chunks if self._pull_needed(x.chunk_id, x.version)}
+            job.total = len(job.outstanding)
+            return self._pull(job)
         theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
         job.outstanding = set()
         differing = [cid for cid, c in self._chunks.items()
                      if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)]
         job.total = len(differing)
         return self._resync_send(job, differing)
+
+    def _pull_needed(self, cid: ChunkId, version: int) -> bool:
+        """Rule 9: whether the successor's committed ``version`` is newer than what we hold. Our pending version
+        was never acknowledged, so a committed one as new replaces it (it may be of a write the chain abandoned)."""
+        c = self._chunks.get(cid)
+        if c is None:
+            return version > 0
+        return version > c.committed and (c.pending is None or version >= c.pending.update.version)
+
+    def _pull(self, job: _ResyncJob) -> list[Effect]:
+        """Rule 9: ask the syncing successor for the chunks it holds newer (or report that none are left)."""
+        job.sent_at = self.now
+        if not job.outstanding:
+            return self._resync_maybe_done(job)
+        return [Send(job.target, ResyncPull(self.chain_id, self.chain_version, self.target_id,
+                                            tuple(sorted(job.outstanding))))]
+
+    def _resync_pull(self, q: ResyncPull) -> list[Effect]:
+        """At the syncing successor: send the recovering predecessor our committed version of each chunk."""
+        if self.state is not TargetState.SYNCING or q.from_target != self._predecessor():
+            raise ProtocolError(f"resync pull from {q.from_target} at {self.state} target {self.target_id}")
+        chunks = [self._chunks[cid] for cid in q.chunks if cid in self._chunks]  # it asks only for ones we listed
+        return [SendChunk(q.from_target, self._full_update(c, c.committed, c.crc, resync=True)) for c in chunks]
+
+    def _pulled(self, c: _Chunk, u: UpdateReq) -> list[Effect]:
+        """A chunk the successor sent for a pull: store it as a pending version, committed once persisted."""
+        if (c.pending is not None and c.pending.pulled) or not self._pull_needed(c.cid, u.version):
+            return []  # a retransmitted copy: being stored, or stored
+        blocks = _checked_blocks(u)
+        if blocks is None:
+            return []  # the next pull asks again
+        effects = self._accept(c, u, blocks)
+        c.pending.pulled = True
+        return effects
+
+    def _harvested(self, cid: ChunkId) -> list[Effect]:
+        """A pulled chunk is committed: report ResyncDone once none is left (unless the job ended meanwhile)."""
+        job = self._resync
+        if job is None or cid not in (job.outstanding or ()):
+            return []
+        job.outstanding.discard(cid)
+        return self._resync_maybe_done(job)
 
     def _resync_send(self, job: _ResyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
         """Copy clean chunks whole; a dirty one is covered by its pending write's full-chunk forward."""
@@ -745,7 +812,7 @@ class ChainMember:
             return []
         effects: list[Effect] = []
         due = now - self.retransmit_after
-        if self._successor() is not None and now - self._last_scan >= self.retransmit_scan_every:
+        if self._successor() is not None and not self._fenced() and now - self._last_scan >= self.retransmit_scan_every:
             self._last_scan = now
             for c in sorted(self._dirty.values(), key=lambda c: c.seq):  # O(in flight), deterministic order
                 if c.pending.persisted and c.pending.sent_at <= due:
@@ -755,6 +822,8 @@ class ChainMember:
             if job.outstanding is None:
                 job.sent_at = now
                 effects.append(Send(job.target, ResyncQuery(self.chain_id, self.chain_version, self.target_id)))
+            elif job.pull:
+                effects += self._pull(job)
             else:  # resend what is unconfirmed; ResyncDone again if mgmtd has not acted on it yet
                 effects += self._resync_send(job, sorted(job.outstanding))
         return effects
@@ -790,10 +859,22 @@ class ChainMember:
             return Retry(StaleRouting(f"target {self.target_id} is {self.state}"))
         if self.now >= self.lease_until:
             return Retry(StaleRouting(f"target {self.target_id} lease expired"))
+        if self._fenced():
+            return Retry(NotCommitted(f"target {self.target_id} is recovering newer chunks from its replicas"))
         return None
+
+    def _fenced(self) -> bool:
+        """Rule 9: serving in a recovering chain, so possibly behind an acknowledged write: serve nothing."""
+        return self.config is not None and self.config.recovering and self.state is TargetState.SERVING
 
 
 _IN_CHAIN = (TargetState.SERVING, TargetState.SYNCING)
+
+
+def _checked_blocks(m: WriteReq | UpdateReq) -> list[int] | None:
+    """The CRC32Cs of the data's 64 KiB blocks, or None if they do not fold into the message's CRC (rule 5)."""
+    blocks = block_crcs(m.data or b"")
+    return blocks if fold_crc(blocks, len(m.data or b"")) == m.crc else None
 
 # (chunk phase, event type) -> action. A missing pair is a protocol error.
 _TRANSITIONS: dict[tuple[Phase, type], Callable[[ChainMember, _Chunk, Event], list[Effect]]] = {

@@ -48,6 +48,9 @@ class ChainConfig(msgspec.Struct, frozen=True, tag=True):
     chain_id: int
     chain_version: int
     targets: tuple[ChainTarget, ...]
+    #: The only serving target came back after it may have lost unflushed writes (a rolled-back ``lastsrv``):
+    #: it serves nothing and pulls newer chunks from each returning replica first (craq/README.md, "Recovery").
+    recovering: bool = False
 
     def state_of(self, target_id: int) -> TargetState | None:
         return next((t.state for t in self.targets if t.target_id == target_id), None)
@@ -190,8 +193,16 @@ class ResyncState(Msg, frozen=True, tag=True):
     chunks: tuple[ChunkSummary, ...]
 
 
+class ResyncPull(Msg, frozen=True, tag=True):
+    """Recovering member -> syncing successor: send me your committed version of these chunks (newer than mine)."""
+
+    from_target: int
+    chunks: tuple[ChunkId, ...]
+
+
 class ResyncDone(Msg, frozen=True, tag=True):
-    """Predecessor -> mgmtd: the syncing target holds every committed chunk; make it serving."""
+    """Predecessor -> mgmtd: the syncing target holds every committed chunk; make it serving. From a recovering
+    member: it holds every chunk the syncing target had newer (the target syncs again once the chain serves)."""
 
     target_id: int
 
@@ -208,5 +219,5 @@ class ChecksumReport(Msg, frozen=True, tag=True):
 # Decode any chain message with ``msgspec.msgpack.decode(buf, type=WireMessage)``.
 WireMessage = (
     WriteReq | WriteResp | UpdateReq | UpdateAck | ReadReq | ReadResp | VersionQuery | VersionReply
-    | ResyncQuery | ResyncState | ResyncDone | ChecksumReport | ChainConfig
+    | ResyncQuery | ResyncState | ResyncPull | ResyncDone | ChecksumReport | ChainConfig
 )

@@ -64,13 +64,16 @@ class MgmtdService:
         address: str,
         heartbeat_timeout: float,
         lease: float,
+        recovery_wait: float = 600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``recovery_wait``: see :class:`~kvfs.craq.cluster.ClusterManager`."""
         self.db = db
         self.instance_id = instance_id
         self.address = address
         self.heartbeat_timeout = heartbeat_timeout
         self.lease = lease
+        self.recovery_wait = recovery_wait
         self.clock = clock
         self.manager: ClusterManager | None = None  # set while primary
         self.node_targets: dict[int, list[int]] = {}
@@ -109,7 +112,8 @@ class MgmtdService:
             if held and self.manager is None:
                 state, targets = loaded
                 self.node_targets = targets
-                self.manager = ClusterManager(self.heartbeat_timeout, self.lease_for_reads, state)
+                self.manager = ClusterManager(self.heartbeat_timeout, self.lease_for_reads, state,
+                                              recovery_wait=self.recovery_wait)
                 now = self.clock()
                 for node in self.manager.state.nodes.values():  # fresh grace period for everyone
                     node.last_heartbeat = now

@@ -24,6 +24,7 @@ def serve_mgmtd(
         address=listen,
         heartbeat_timeout=config.timeouts.heartbeat_timeout,
         lease=config.timeouts.lease,
+        recovery_wait=config.timeouts.recovery_wait,
     )
 
     async def main() -> None:

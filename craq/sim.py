@@ -37,7 +37,7 @@ from kvfs.craq.member import (
     ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    ChecksumReport, ChunkId, ReadReq, ReadResp, ResyncDone, ResyncState, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
+    ChecksumReport, ChunkId, ReadReq, ReadResp, ResyncDone, ResyncPull, ResyncState, TargetState, VersionQuery, VersionReply, WriteReq, WriteResp,
 )
 
 
@@ -75,11 +75,9 @@ class MemEngine:
                 if (cid, v.version, v.data) not in kept]
 
     def holds(self, chunk_id: ChunkId, lost: _Version) -> bool:
-        """Whether this engine keeps ``lost`` or something newer the chain committed after it."""
-        same = (lost.version, lost.data)
-        c, p = self.committed.get(chunk_id), self.pending.get(chunk_id)
-        return (c is not None and (c.version > lost.version or (c.version, c.data) == same)) or (
-            p is not None and (p.version, p.data) == same)
+        """Whether this engine has committed ``lost`` or something newer (a newer version includes it)."""
+        c = self.committed.get(chunk_id)
+        return c is not None and (c.version > lost.version or (c.version, c.data) == (lost.version, lost.data))
 
     def write_pending(self, p: PersistPending) -> tuple[int, int]:
         committed = self.committed.get(p.chunk_id, _Version(0, b"", {})).version
@@ -142,8 +140,9 @@ class SimConfig:
     stall_share: float = 0.0  # of faults: a node's disk stalls for 50-300 ms (persists finish after it)
     slow_persist: float = 0.0  # fraction of persists taking 5-40 ms, longer than a round trip
     lose_share: float = 0.0  # chance that a run loses one node for good during the faults
-    #: roll back only where no acknowledged write can be lost (False shows the lastsrv hazard, craq/README.md)
-    rollback_guard: bool = True
+    #: how long mgmtd waits for the other targets of a chain whose rolled-back lastsrv came back; longer than
+    #: any absence during the faults, so only a node lost for good makes it expire
+    recovery_wait: float = 1.5
     liveness_bound: float = 1.0  # every write issued once the cluster is calm completes within this
 
 
@@ -190,6 +189,8 @@ class _Node:
         self.lost = False  # down for good: never restarts
         self.epoch = 0  # bumped by a connection reset: messages sent to or from an older epoch are lost
         self.disk_stalled_until = 0.0
+        self.unclean = False  # this incarnation followed an unclean stop (its heartbeats say so)
+        self.rolled_back = False  # ... that lost unflushed versions
         self.cut_off_until = 0.0  # heartbeats to mgmtd dropped until then
         self.members: dict[int, ChainMember] = {}
         self.reads: dict[tuple[int, int], tuple[int, int, ReadReq]] = {}  # (target, query) -> (client, tag, req)
@@ -211,7 +212,7 @@ class Sim:
         self._seq = itertools.count()
         self.events = 0
         self.faults = True
-        self.mgr = ClusterManager(cfg.heartbeat_timeout, cfg.lease)
+        self.mgr = ClusterManager(cfg.heartbeat_timeout, cfg.lease, recovery_wait=cfg.recovery_wait)
         # replicas*chains targets spread round-robin over the nodes; target id = 10 * node + k
         chosen = [(10 * (i % cfg.nodes + 1) + i // cfg.nodes, i % cfg.nodes + 1) for i in range(cfg.replicas * cfg.chains)]
         self.mgr.create_chains(chosen, cfg.replicas)
@@ -227,7 +228,8 @@ class Sim:
         self.counts: collections.Counter[str] = collections.Counter()
         self.lost_targets: set[int] = set()
         self.reconfigured_at: dict[int, float] = {}  # chain -> when mgmtd first took a lost target out of it
-        self.unnoticed_rollback: tuple[int, int] | None = None  # (node, incarnation) rolled back, mgmtd unaware
+        self.committed_max: dict[ChunkId, int] = {}  # the newest version any replica committed (maybe seen)
+        self.recovering_until: dict[int, float] = {}  # chain -> when mgmtd last saw it recovering (rule 9)
 
     # ------------------------------------------------------------------------------------- scheduler
 
@@ -270,7 +272,8 @@ class Sim:
                  for n in self.nodes.values() if not n.lost for m in n.members.values() for cid in self.chunk_ids
                  if m.chunk_versions(cid)[1] is not None]
         calm = {cid: max(self.cfg.duration if self._node_faults() else 0.0,
-                         self.reconfigured_at.get(self.chain_of(cid), 0.0)) for cid in self.chunk_ids}
+                         self.reconfigured_at.get(self.chain_of(cid), 0.0),
+                         self.recovering_until.get(self.chain_of(cid), 0.0)) for cid in self.chunk_ids}
         return SimResult(self.seed, self.history, self.checksum_reports, finals, states, stuck, self.cfg.duration,
                          self.events, self.lost_targets, calm, self.cfg.liveness_bound, self.counts)
 
@@ -313,7 +316,8 @@ class Sim:
         def heartbeat() -> None:
             if not node.alive or node.incarnation != inc:
                 return
-            hb = Heartbeat(node.node_id, inc, f"sim://{node.node_id}", self.now)
+            hb = Heartbeat(node.node_id, inc, f"sim://{node.node_id}", self.now,
+                           unclean_targets=tuple(node.targets) if node.unclean else ())
             if self.now >= node.cut_off_until:
                 self.send(lambda: self._mgmtd_heartbeat(node, hb), src=node)
             self.at(self.cfg.heartbeat_every, heartbeat)
@@ -337,7 +341,12 @@ class Sim:
             self.at(self.rng.uniform(0, self.cfg.flush_every), flush)
 
     def _mgmtd_heartbeat(self, node: _Node, hb: Heartbeat) -> None:
+        before = set(self.mgr.state.recoveries)
         reply, _ = self.mgr.heartbeat(hb, self.now)
+        for chain_id in set(self.mgr.state.recoveries) - before:
+            self.counts["lastsrv recoveries"] += 1
+            if node.rolled_back:
+                self.counts["rolled-back lastsrv recoveries"] += 1
 
         def deliver() -> None:
             if node.alive and node.incarnation == hb.incarnation:
@@ -348,8 +357,12 @@ class Sim:
         self.send(deliver, dst=node)
 
     def _mgmtd_tick(self) -> None:
+        before = set(self.mgr.state.recoveries)
         self.mgr.tick(self.now)
+        self.counts["recovery waits expired"] += len(before - set(self.mgr.state.recoveries))
         for chain in self.mgr.routing().chains:
+            if chain.recovering:
+                self.recovering_until[chain.chain_id] = self.now
             if chain.chain_id not in self.reconfigured_at and any(
                     chain.state_of(t) not in (TargetState.SERVING, TargetState.SYNCING) for t in self.lost_targets
                     if t in {x.target_id for x in chain.targets}):
@@ -365,6 +378,8 @@ class Sim:
                 msg = e.msg
                 if isinstance(msg, ResyncState):
                     self._count_resync_differences(msg, e.target)
+                elif isinstance(msg, ResyncPull):
+                    self.counts["chunks pulled by a recovering target"] += len(msg.chunks)
                 self.to_target(e.target, lambda n, m, msg=msg: self.execute(n, m.target_id, m.handle(msg)), node)
             elif isinstance(e, SendChunk):
                 msg = msgspec.structs.replace(e.msg, data=engine.read(e.msg.chunk_id, e.msg.version))
@@ -374,6 +389,7 @@ class Sim:
                 self.at(self._persist_time(node), lambda e=e: self._persisted(node, inc, target, e))
             elif isinstance(e, Commit):
                 engine.commit(e.chunk_id, e.version)
+                self.committed_max[e.chunk_id] = max(self.committed_max.get(e.chunk_id, 0), e.version)
             elif isinstance(e, ReplyClient):
                 client = self.clients[e.msg.client_id - 1]
                 self.send(lambda msg=e.msg, client=client: client.on_write_resp(msg), src=node)
@@ -460,8 +476,6 @@ class Sim:
         node = self.rng.choice(list(self.nodes.values()))
         if self.rng.random() < cfg.failover_share:
             self._mgmtd_failover()
-        elif cfg.rollback_guard and self._rollback_unnoticed():
-            pass  # mgmtd must see a rolled-back node go before it sees another node of its chains go (see _crash)
         elif self.rng.random() < cfg.cut_off_share:
             # cut off from mgmtd: it keeps serving peers and clients with old routing until its lease runs out
             node.cut_off_until = self.now + self.rng.uniform(0.1, 0.8)
@@ -477,46 +491,29 @@ class Sim:
         self.at(self.rng.expovariate(1 / cfg.crash_every), self._fault)
 
     def _crash(self, node: _Node, rollback: bool) -> None:
-        """Stop ``node``; with ``rollback``, its engines also lose what no flush covered, unless that could lose
-        a write the chain may have acknowledged or served (then it is a plain crash)."""
-        up = self._up(node.node_id)
+        """Stop ``node``; with ``rollback``, its engines also lose what no flush covered, unless that would lose
+        every copy of a write the chain may have acknowledged or served (then it is a plain crash)."""
         node.alive = False
+        node.unclean = bool(self.cfg.rollback_share)  # any stop of a write-back server is unclean
+        node.rolled_back = rollback and self._others_cover(node, lambda e: e.unflushed())
         self.counts["crashes"] += 1
-        others_up = all(self._up(n.node_id) for n in self.nodes.values() if n is not node and not n.lost)
-        guarded = others_up and not self._rollback_unnoticed() and self._others_cover(node)
-        if rollback and up and (guarded or not self.cfg.rollback_guard):
-            self.unnoticed_rollback = (node.node_id, node.incarnation)
+        if node.rolled_back:
             self.counts["rollbacks"] += 1
             self.counts["versions rolled back"] += sum(len(e.unflushed()) for e in node.engines.values())
             for engine in node.engines.values():
                 engine.lose_unflushed()
 
-    def _rollback_unnoticed(self) -> bool:
-        """Whether mgmtd has yet to notice the last rolled-back node's crash. Until then no other node may fail
-        (and a node only rolls back while every other one is up and in touch with mgmtd): mgmtd would take
-        that one out first and keep the rolled-back target as the chain's last serving one
-        (lastsrv), which returns as serving with acknowledged writes missing (craq/README.md, "Not done yet")."""
-        if self.unnoticed_rollback is None:
-            return False
-        node_id, incarnation = self.unnoticed_rollback
-        info = self.mgr.state.nodes[node_id]  # known: only a node mgmtd knows is rolled back
-        if info.alive and info.incarnation == incarnation:
-            return True
-        self.unnoticed_rollback = None
-        return False
-
-    def _others_cover(self, node: _Node) -> bool:
-        """Whether every unflushed version at ``node`` that some replica committed (so a client may have seen it)
-        is also held by another serving replica that is up. Without this, a rollback could take every copy of
-        an acknowledged write, which no replication can undo (the real cluster flushes every few seconds)."""
+    def _others_cover(self, node: _Node, losing: Callable[[MemEngine], list[tuple[ChunkId, _Version]]]) -> bool:
+        """Whether each version ``node`` would lose (``losing`` of each engine) that some replica committed (so a
+        client may have seen it) is committed, or something newer is, at another replica not lost for good,
+        whatever its state. Losing every copy of an acknowledged write is physics, not a protocol bug."""
         routing = self.mgr.routing()
         for target, engine in node.engines.items():
             chain = routing.chain(node.targets[target])
             others = [self.nodes[t.node_id].engines[t.target_id] for t in chain.targets
-                      if t.target_id != target and t.state is TargetState.SERVING and self._up(t.node_id)]
-            everyone = [self.nodes[t.node_id].engines[t.target_id] for t in chain.targets]
-            for cid, lost in engine.unflushed():
-                seen = any(e.committed.get(cid, _Version(0, b"", {})).version >= lost.version for e in everyone)
+                      if t.target_id != target and not self.nodes[t.node_id].lost]
+            for cid, lost in losing(engine):
+                seen = lost.version <= self.committed_max.get(cid, 0)
                 if seen and not any(e.holds(cid, lost) for e in others):
                     return False
         return True
@@ -535,7 +532,8 @@ class Sim:
         routing = self.mgr.routing()
         candidates = [n for n in self.nodes.values() if n.alive and all(
             any(t.target_id != target and t.state is TargetState.SERVING and self._up(t.node_id)
-                for t in routing.chain(chain_id).targets) for target, chain_id in n.targets.items())]
+                for t in routing.chain(chain_id).targets) for target, chain_id in n.targets.items())
+            and self._others_cover(n, lambda e: [*e.committed.items(), *e.pending.items()])]
         if not candidates:
             if self.now < self.cfg.duration + self.cfg.settle / 2:
                 self.at(0.05, self._lose_node)
@@ -551,7 +549,7 @@ class Sim:
         state = msgspec.msgpack.decode(msgspec.msgpack.encode(self.mgr.state), type=ClusterState)
         for info in state.nodes.values():
             info.last_heartbeat = self.now
-        self.mgr = ClusterManager(self.cfg.heartbeat_timeout, self.cfg.lease, state)
+        self.mgr = ClusterManager(self.cfg.heartbeat_timeout, self.cfg.lease, state, recovery_wait=self.cfg.recovery_wait)
 
     def _restart(self, node: _Node) -> None:
         if not node.alive and not node.lost:

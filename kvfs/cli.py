@@ -247,7 +247,8 @@ def admin_status(config_path: str | None, log_level: str, as_json: bool) -> None
         click.echo(f"node {node.node_id} {node.address} {state} targets={node.targets}")
     for chain in status.routing.chains:
         members = " -> ".join(f"{t.target_id}({t.state.value})" for t in chain.targets)
-        click.echo(f"chain {chain.chain_id} v{chain.chain_version}: {members}")
+        recovering = " (recovering: serves once it pulled newer chunks from the others)" if chain.recovering else ""
+        click.echo(f"chain {chain.chain_id} v{chain.chain_version}: {members}{recovering}")
     for target, (left, total) in sorted(status.resync.items()):
         click.echo(f"resync of target {target}: " + ("counting chunks" if total < 0 else f"{total - left}/{total} chunks copied"))
 

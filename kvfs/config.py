@@ -40,6 +40,9 @@ class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     lease: float = 5.0
+    #: How long mgmtd waits for the other replicas of a chain whose last serving target came back after it may have
+    #: lost unflushed writes, before it lets that target serve without them (losing what only they held).
+    recovery_wait: float = 600.0
     call: float = 30.0
     connect: float = 5.0
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import logging
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 from kvfs.craq import sim
+
+
+logging.disable(logging.ERROR)  # mgmtd's warnings of each recovering chain, thousands of runs over
 
 
 def run_one(job: tuple[str, int, float]) -> tuple[str, int, list[str], collections.Counter[str]]:

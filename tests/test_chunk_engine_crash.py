@@ -180,5 +180,24 @@ def test_sigkill_at_random_instants(tmp_path: Path, mode: str) -> None:
     assert commits > 0
 
 
+
+@pytest.mark.parametrize("mode", ["write-through", "write-back"])
+def test_reopen_tells_an_unclean_stop_from_a_clean_one(tmp_path: Path, mode: str) -> None:
+    """A write-back target killed while writing may have lost acknowledged writes, and says so on reopen (the
+    chunk server's heartbeats carry it to mgmtd); a clean close, a new target or write-through does not."""
+    write_through = mode == "write-through"
+    with ChunkEngine(tmp_path, write_through=write_through) as e:
+        assert not e.unclean_stop  # a new target lost nothing
+    proc = subprocess.Popen([sys.executable, __file__, str(tmp_path), mode], stdout=subprocess.PIPE)
+    assert proc.stdout.readline()  # it has written a version
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    e = ChunkEngine(tmp_path, write_through=write_through)
+    assert e.unclean_stop is not write_through
+    e.close()
+    with ChunkEngine(tmp_path, write_through=write_through) as e:
+        assert not e.unclean_stop  # the close above was clean
+
+
 if __name__ == "__main__":
     child(Path(sys.argv[1]), sys.argv[2])

@@ -22,8 +22,8 @@ def cluster(nodes: int = 4, replicas: int = 3, per_node: int = 3) -> ClusterMana
     return mgr
 
 
-def beat(mgr: ClusterManager, node: int, now: float, incarnation: int = 1) -> list[int]:
-    reply, changed = mgr.heartbeat(Heartbeat(node, incarnation, f"tcp://h{node}", now), now)
+def beat(mgr: ClusterManager, node: int, now: float, incarnation: int = 1, unclean: tuple[int, ...] = ()) -> list[int]:
+    reply, changed = mgr.heartbeat(Heartbeat(node, incarnation, f"tcp://h{node}", now, unclean_targets=unclean), now)
     assert reply.lease_until == now + 0.5
     return changed
 
@@ -95,3 +95,89 @@ def test_routing_and_state_are_serialisable():
     state = msgspec.msgpack.decode(msgspec.msgpack.encode(mgr.state), type=ClusterState)
     assert state == mgr.state
     assert ClusterManager(1.0, 0.5, state).routing() == routing
+
+
+def lastsrv_back(unclean: bool, recovery_wait: float = 600.0, replicas: int = 3) -> ClusterManager:
+    """The seed-68 partition: nodes 2 and 3 are cut off and declared dead first, so 10 is the chain's last serving
+    target when its own node dies; it comes back restarted, after an unclean stop or not."""
+    mgr = ClusterManager(heartbeat_timeout=1.0, lease=0.5, recovery_wait=recovery_wait)
+    mgr.create_chains([(10 * n, n) for n in range(1, replicas + 1)], replicas)
+    for n in range(1, replicas + 1):
+        beat(mgr, n, 0.0)
+    beat(mgr, 1, 0.9)
+    mgr.tick(1.5)
+    mgr.tick(3.0)
+    assert layout(mgr, 1) == [(10, L)] + [(10 * n, O) for n in range(2, replicas + 1)]
+    beat(mgr, 1, 3.1, incarnation=2, unclean=(10,) if unclean else ())
+    return mgr
+
+
+def test_a_clean_last_serving_target_serves_again_at_once():
+    mgr = lastsrv_back(unclean=False)
+    assert layout(mgr, 1) == [(10, S), (20, O), (30, O)] and not mgr.state.chains[1].recovering
+
+
+def test_a_rolled_back_last_serving_target_pulls_from_every_other_target_before_the_chain_serves():
+    mgr = lastsrv_back(unclean=True)
+    assert layout(mgr, 1) == [(10, S), (20, O), (30, O)] and mgr.state.chains[1].recovering
+    beat(mgr, 2, 3.2)
+    assert layout(mgr, 1) == [(10, S), (20, Y), (30, O)]
+    mgr = ClusterManager(1.0, 0.5, msgspec.msgpack.decode(msgspec.msgpack.encode(mgr.state), type=ClusterState))
+    assert mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20)) == [1]  # 10 pulled what 20 had
+    assert layout(mgr, 1) == [(10, S), (20, W), (30, O)] and mgr.state.chains[1].recovering  # 30 may hold more
+    beat(mgr, 1, 3.3, incarnation=2)
+    beat(mgr, 2, 3.3)  # already pulled from: it does not sync again while the chain recovers
+    assert layout(mgr, 1) == [(10, S), (20, W), (30, O)]
+    beat(mgr, 3, 3.4)
+    assert layout(mgr, 1) == [(10, S), (30, Y), (20, W)]
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 30))
+    assert not mgr.state.chains[1].recovering and not mgr.state.recoveries
+    assert layout(mgr, 1) == [(10, S), (30, Y), (20, W)]  # the chain serves; both sync from 10 as usual
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 30))
+    assert layout(mgr, 1) == [(10, S), (30, S), (20, Y)]
+
+
+def test_a_recovering_chain_serves_without_targets_that_do_not_return_within_the_wait(caplog):
+    mgr = lastsrv_back(unclean=True, recovery_wait=2.0)
+    beat(mgr, 1, 4.0, incarnation=2)
+    assert mgr.tick(5.0) == [] and mgr.state.chains[1].recovering
+    beat(mgr, 1, 5.0, incarnation=2)
+    version = mgr.state.chains[1].chain_version
+    assert mgr.tick(5.2) == [1]
+    assert not mgr.state.chains[1].recovering and mgr.state.chains[1].chain_version == version + 1
+    assert "did not return within 2 s" in caplog.text
+    beat(mgr, 1, 5.3, incarnation=2)
+    beat(mgr, 3, 5.3)  # back after all: it syncs from 10 like any returning target
+    assert layout(mgr, 1) == [(10, S), (30, Y), (20, O)]
+
+
+def test_a_rolled_back_target_that_restarts_again_waits_for_every_other_target_again():
+    mgr = lastsrv_back(unclean=True)
+    beat(mgr, 2, 3.2)
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert mgr.state.recoveries[1].awaiting == [30]
+    beat(mgr, 1, 3.3, incarnation=3, unclean=(10,))  # lost what it pulled from 20
+    assert mgr.state.recoveries[1].awaiting == [20, 30]
+
+
+def test_an_unclean_stop_counts_once_per_incarnation():
+    """Cut off again later, the same incarnation lost nothing more: as last serving target it serves at once."""
+    mgr = lastsrv_back(unclean=True, replicas=2)
+    beat(mgr, 2, 3.2)
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert not mgr.state.chains[1].recovering
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert layout(mgr, 1) == [(10, S), (20, S)]
+    beat(mgr, 1, 4.0, incarnation=2, unclean=(10,))
+    mgr.tick(4.5)  # 20 is gone: 10 serves alone
+    mgr.tick(5.5)  # and is cut off
+    assert layout(mgr, 1) == [(10, L), (20, O)]
+    beat(mgr, 1, 5.6, incarnation=2, unclean=(10,))
+    assert layout(mgr, 1) == [(10, S), (20, O)] and not mgr.state.chains[1].recovering
+
+def test_a_single_replica_chain_has_nobody_to_wait_for():
+    mgr = ClusterManager(heartbeat_timeout=1.0, lease=0.5)
+    mgr.create_chains([(10, 1)], 1)
+    beat(mgr, 1, 0.0)
+    beat(mgr, 1, 0.1, incarnation=2, unclean=(10,))
+    assert layout(mgr, 1) == [(10, S)] and not mgr.state.chains[1].recovering

@@ -15,10 +15,11 @@ from kvfs.craq.member import (
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncQuery, ResyncState, TargetState,
+    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncPull, ResyncQuery, ResyncState,
+    TargetState,
     UpdateAck, UpdateReq, VersionQuery, VersionReply, WireMessage, WriteReq, ChunkSummary,
 )
-from kvfs.craq.sim import MemEngine
+from kvfs.craq.sim import MemEngine, _Version
 
 CID = ChunkId(7, 0)
 S, Y, O = TargetState.SERVING, TargetState.SYNCING, TargetState.OFFLINE
@@ -35,12 +36,16 @@ def write(data: bytes, request_id: int = 1, client_id: int = 9, version: int = 1
 class Chain:
     """Members plus engine models; effects are run by hand so each test controls what is delivered when."""
 
-    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkState]] | None = None) -> None:
-        self.members = {t.target_id: ChainMember(t.target_id, 1, (metas or {}).get(t.target_id)) for t in cfg.targets}
-        self.engines = {t: MemEngine() for t in self.members}
+    def __init__(self, cfg: ChainConfig, metas: dict[int, dict[ChunkId, ChunkState]] | None = None,
+                 engines: dict[int, MemEngine] | None = None) -> None:
+        """``engines``: what some targets hold already (their members start from it); ``metas`` without the bytes."""
+        metas = metas or {t: e.meta() for t, e in (engines or {}).items()}
+        self.members = {t.target_id: ChainMember(t.target_id, 1, metas.get(t.target_id)) for t in cfg.targets}
+        self.engines = {t: (engines or {}).get(t) or MemEngine() for t in self.members}
         self.replies: list = []
         self.mgmtd: list = []
         self.outbox: list[tuple[int, object]] = []  # (target, message) not yet delivered
+        self.sent: list[tuple[int, object]] = []  # (sender, message), everything ever sent
         self.full: set[int] = set()  # targets whose disk is full
         self.aborted: list[tuple[int, Abort]] = []
         for m in self.members.values():
@@ -62,8 +67,10 @@ class Chain:
                 self.aborted.append((target, e))
             elif isinstance(e, Send):
                 self.outbox.append((e.target, e.msg))
+                self.sent.append((target, e.msg))
             elif isinstance(e, SendChunk):
                 self.outbox.append((e.target, msgspec.structs.replace(e.msg, data=engine.read(e.msg.chunk_id, e.msg.version))))
+                self.sent.append((target, e.msg))
             elif isinstance(e, ReplyClient):
                 self.replies.append(e.msg)
             elif isinstance(e, ReportToMgmtd):
@@ -700,3 +707,155 @@ def test_a_failed_persist_at_a_member_taken_out_of_the_chain_is_dropped_quietly(
     member.handle(Configure(config(2, (1, S), (3, S)), 100.0))  # replaced: no longer in the chain at all
     assert member.handle(PersistFailed(CID, 1, errno.EIO, "io")) == []
     assert member.chunk_versions(CID) == (0, None)
+
+
+# ------------------------------------------------------------------------- rule 9: a recovering chain
+
+X, Y_, Z = ChunkId(8, 0), ChunkId(8, 1), ChunkId(8, 2)
+
+
+def engine(committed: dict[ChunkId, tuple[int, bytes]], pending: dict[ChunkId, tuple[int, bytes]] | None = None) -> MemEngine:
+    e = MemEngine()
+    e.committed = {cid: _Version(v, data, {}) for cid, (v, data) in committed.items()}
+    e.pending = {cid: _Version(v, data, {}) for cid, (v, data) in (pending or {}).items()}
+    return e
+
+
+def recovering(version: int, second: TargetState, recovering: bool = True) -> ChainConfig:
+    """Target 1 is the rolled-back last serving one; target 2 returns (syncing) or is still away."""
+    return ChainConfig(1, version, (ChainTarget(1, 1, S), ChainTarget(2, 2, second)), recovering)
+
+
+def test_a_recovering_member_pulls_the_newer_chunks_and_copies_nothing_forward():
+    """The seed-68 partition: the returning replica holds acknowledged versions the rolled-back one lost (X, Z),
+    and the rolled-back one holds versions acknowledged after the other was removed (Y): each side keeps its newer."""
+    chain = Chain(recovering(5, Y), engines={
+        1: engine({X: (3, b"x3"), Y_: (5, b"y5")}),
+        2: engine({X: (4, b"x4"), Y_: (2, b"y2"), Z: (1, b"z1")}),
+    })
+    (_, query), = chain.outbox
+    assert isinstance(query, ResyncQuery)
+    chain.deliver_all()
+    assert [chain.members[1].chunk_versions(c) for c in (X, Y_, Z)] == [(4, None), (5, None), (1, None)]
+    assert chain.engines[1].committed[X].data == b"x4" and chain.engines[1].committed[Z].data == b"z1"
+    assert chain.engines[2].committed[Y_].data == b"y2"  # nothing was copied forward: the target syncs again later
+    assert not [m for sender, m in chain.sent if sender == 1 and isinstance(m, UpdateReq)]
+    assert chain.mgmtd == [ResyncDone(1, 5, 2)]
+
+
+def test_a_recovering_member_serves_nothing():
+    chain = Chain(recovering(5, O), engines={1: engine({X: (3, b"x3")})})
+    member = chain.members[1]
+    decision = member.read_decision(X, 5)
+    assert isinstance(decision, Retry) and decision.error.errno == errno.EAGAIN
+    assert member.answer_version_query(VersionQuery(1, 5, X, 3, 1)).errno == errno.EAGAIN
+    (reply,) = [e.msg for e in member.handle(WriteReq(1, 5, X, 9, 1, 0, crc32c(b"w"), b"w"))]
+    assert reply.errno == errno.EAGAIN and member.chunk_versions(X) == (3, None)
+    chain.reconfigure(recovering(6, O, recovering=False))
+    assert member.read_decision(X, 6) == ServeVersion(3)
+
+
+def test_a_recovering_member_holds_its_pending_version_until_the_chain_serves():
+    """Its pending version may be older than what a returning replica committed: neither forward nor commit it."""
+    chain = Chain(recovering(5, O), engines={1: engine({X: (1, b"x1")}, pending={X: (2, b"x2")})})
+    member = chain.members[1]
+    assert member.chunk_versions(X) == (1, 2)
+    chain.reconfigure(recovering(6, Y), 1)
+    chain.run(1, member.handle(Tick(10.0)))
+    assert not [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    chain.reconfigure(recovering(7, O, recovering=False), 1)
+    assert member.chunk_versions(X) == (2, None)  # the chain serves: as the end of the chain it commits it
+
+
+@pytest.mark.parametrize(("theirs", "after"), [(1, (1, 2)), (2, (2, None)), (3, (3, None))])
+def test_a_committed_version_as_new_as_the_pending_one_replaces_it(theirs: int, after: tuple[int, int | None]):
+    """The pending version was never acknowledged (it may even be of a write the chain abandoned)."""
+    chain = Chain(recovering(5, Y), engines={
+        1: engine({X: (1, b"x1")}, pending={X: (2, b"mine")}),
+        2: engine({X: (theirs, b"x%d" % theirs)}),
+    })
+    chain.deliver_all()
+    assert chain.members[1].chunk_versions(X) == after
+    if theirs > 1:
+        assert chain.engines[1].committed[X].data == b"x%d" % theirs
+    assert chain.mgmtd == [ResyncDone(1, 5, 2)]
+
+
+def test_a_lost_pull_is_asked_again_and_a_duplicate_copy_is_ignored():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    chain.run(2, chain.members[2].handle(chain.outbox.pop()[1]))  # the query; the list comes back
+    chain.run(1, member.handle(chain.outbox.pop()[1]))
+    (_, pull), = chain.outbox
+    assert pull == ResyncPull(1, 5, 1, (X,)) and member.resync_progress() == (2, 1, 1)
+    chain.outbox.clear()  # lost
+    chain.run(1, member.handle(Tick(1.0)))
+    (_, again), = chain.outbox
+    assert again == pull
+    chain.run(2, chain.members[2].handle(chain.outbox.pop()[1]))
+    (_, copy), = chain.outbox
+    chain.deliver_all()
+    assert member.chunk_versions(X) == (4, None) and chain.mgmtd == [ResyncDone(1, 5, 2)]
+    assert member.handle(copy) == []  # a second copy of a chunk already pulled
+
+
+def test_only_the_predecessor_of_a_syncing_member_may_pull_from_it():
+    chain = Chain(recovering(5, Y), engines={2: engine({X: (4, b"x4")})})
+    with pytest.raises(ProtocolError):
+        chain.members[2].handle(ResyncPull(1, 5, 3, (X,)))
+
+
+def _pulled_copy(chain: Chain) -> UpdateReq:
+    """Run the resync of target 2 by target 1 up to the first copy that 2 sends back, and return it undelivered."""
+    while not any(isinstance(m, UpdateReq) for _, m in chain.outbox):
+        target, msg = chain.outbox.pop(0)
+        chain.run(target, chain.members[target].handle(msg))
+    (_, copy), = chain.outbox
+    chain.outbox.clear()
+    return copy
+
+
+def test_a_pulled_copy_is_stored_once_and_a_corrupt_one_is_dropped():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    copy = _pulled_copy(chain)
+    assert member.handle(msgspec.structs.replace(copy, crc=copy.crc ^ 1)) == []  # the next pull asks again
+    (persist,) = member.handle(copy)
+    assert isinstance(persist, PersistPending) and persist.version == 4
+    assert member.handle(copy) == []  # a retransmitted copy while the first one is being stored
+    effects = member.handle(Persisted(X, 4, crc32c(b"x4"), 2))
+    assert effects == [Commit(X, 4), ReportToMgmtd(ResyncDone(1, 5, 2))]
+    assert member.handle(copy) == []  # and after
+
+
+def test_a_pull_is_asked_again_only_once_its_interval_passed():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    chain.run(1, member.handle(Tick(1.0)))  # the query is asked again (as if lost)
+    chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))
+    chain.outbox.pop(0)
+    chain.run(1, member.handle(Tick(1.04)))
+    chain.run(1, member.handle(chain.outbox.pop()[1]))  # the list arrives: the pull goes out at 1.04
+    assert [type(m) for _, m in chain.outbox] == [ResyncPull]
+    chain.run(1, member.handle(Tick(1.06)))
+    assert len(chain.outbox) == 1
+    chain.run(1, member.handle(Tick(1.1)))
+    assert [type(m) for _, m in chain.outbox] == [ResyncPull, ResyncPull]
+
+
+def test_a_pulled_copy_stored_after_the_chain_changed_is_committed_without_a_report():
+    """The returning target went away again: the pulled version is still one the chain committed; keep it."""
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    assert [type(e) for e in member.handle(_pulled_copy(chain))] == [PersistPending]
+    chain.reconfigure(recovering(6, O), 1)
+    assert member.handle(Persisted(X, 4, crc32c(b"x4"), 2)) == [Commit(X, 4)]
+
+
+def test_a_pulled_copy_stored_after_the_recovery_ended_goes_down_the_chain_like_any_pending_version():
+    chain = Chain(recovering(5, Y), engines={1: engine({}), 2: engine({X: (4, b"x4")})})
+    member = chain.members[1]
+    member.handle(_pulled_copy(chain))
+    chain.reconfigure(recovering(6, Y, recovering=False), 1)
+    (forward,) = member.handle(Persisted(X, 4, crc32c(b"x4"), 2))
+    assert isinstance(forward, SendChunk) and forward.target == 2 and forward.msg.version == 4

@@ -15,6 +15,7 @@ import os
 import pytest
 
 from kvfs.craq import sim
+from kvfs.craq.cluster import ClusterManager
 from kvfs.craq.member import AskTail, ChainMember, ServeVersion
 
 
@@ -115,3 +116,18 @@ def test_liveness_check_catches_a_write_stuck_until_the_lost_node_returns(monkey
     problems = [p for seed in range(10) for p in sim.check(sim.run(seed, sim.PROFILES["liveness"]))]
     assert any("took over" in p for p in problems)
     assert not any("not linearizable" in p for p in problems)
+
+
+def test_a_rolled_back_last_serving_target_pulls_what_only_the_others_held():
+    """Seed 68: a node loses its unflushed writes while the other two are cut off from mgmtd, which takes them
+    out first; its target comes back as the chain's last serving one and must pull their newer chunks (issue #26).
+    With mgmtd deaf to unclean stops it serves at once, the others resync from it, and acknowledged writes vanish."""
+    result = sim.run(68, PROFILES["default"])
+    assert not sim.check(result)
+    assert result.faults["rolled-back lastsrv recoveries"] and result.faults["chunks pulled by a recovering target"]
+
+
+def test_simulation_catches_a_rolled_back_lastsrv_that_serves_at_once(monkeypatch):
+    node_up = ClusterManager._node_up
+    monkeypatch.setattr(ClusterManager, "_node_up", lambda self, node, unclean, now: node_up(self, node, set(), now))
+    assert sim.check(sim.run(68, PROFILES["default"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import sqlite3
 from pathlib import Path
@@ -280,6 +281,23 @@ async def test_write_back_chunk_servers_flush_on_their_own(processes, tmp_path):
                 await trio.sleep(0.1)
 
 
+async def _write_synced_then_newer(storage: StorageClient) -> bytes:
+    """Inode 9: three chunks synced on every replica, then overwritten without a sync; returns the newest data."""
+    await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
+    await storage.flush(9)
+    newest = os.urandom(3 << 20)
+    await storage.write(9, LAYOUT, 0, newest)
+    return newest
+
+
+async def _all_serving_with(mgmtd: MgmtdClient, storage: StorageClient, newest: bytes) -> None:
+    """Wait until every target serves again; then inode 9 must read as ``newest``."""
+    await wait_all_serving(mgmtd, 1, timeout=60)
+    out = bytearray(len(newest))
+    await storage.read(9, LAYOUT, 0, memoryview(out))
+    assert out == newest
+
+
 @pytest.mark.parametrize("loss", ["power", "kill"], ids=["power-loss", "kill-with-held-writes"])
 async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_is_resynced(processes, tmp_path, loss):
     """A chunk server dies with writes it acknowledged but never flushed, and its disk lacks their data (a power
@@ -289,10 +307,7 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         mgmtd = MgmtdClient(rpc, cluster.mgmtd)
         storage = StorageClient(rpc, mgmtd, retry_for=60)
-        await storage.write(9, LAYOUT, 0, os.urandom(3 << 20))
-        await storage.flush(9)
-        newest = os.urandom(3 << 20)
-        await storage.write(9, LAYOUT, 0, newest)
+        newest = await _write_synced_then_newer(storage)
         cluster.kill_chunkserver(3)
         if loss == "power":
             assert tear_unsynced(tmp_path / "cs3", random.Random(0), share=1.0) == 3
@@ -303,14 +318,45 @@ async def test_a_replica_whose_host_lost_power_falls_back_to_its_last_sync_and_i
             while (await mgmtd.call(STATUS, Empty())).routing.chains[0].state_of(300) is TargetState.SERVING:
                 await trio.sleep(0.1)
         cluster.start_chunkserver(3, cluster.chunkservers[3][0])
-        await wait_all_serving(mgmtd, 1, timeout=60)
-        out = bytearray(len(newest))
-        await storage.read(9, LAYOUT, 0, memoryview(out))
-        assert out == newest
+        await _all_serving_with(mgmtd, storage, newest)
     processes.stop_all()
     replicas = replica_contents(tmp_path, (1, 2, 3))
     assert all(replica == replicas[0] for replica in replicas)
     assert b"".join(replicas[2][(9, i)] for i in range(3)) == newest
+
+
+
+async def _wait_for_state(mgmtd: MgmtdClient, target: int, state: TargetState) -> None:
+    with trio.fail_after(20):
+        while (await mgmtd.call(STATUS, Empty())).routing.chains[0].state_of(target) is not state:
+            await trio.sleep(0.1)
+
+
+async def test_a_rolled_back_last_serving_replica_pulls_the_writes_the_others_kept(processes, tmp_path):
+    """Issue #26 with real processes: the other two replicas stop (cleanly: they keep the newest write) and are
+    taken out, so the first is the last serving one when it dies with that write unflushed. It comes back behind;
+    it must serve nothing until it has pulled the newest write from the others, rather than resync them to its
+    older data."""
+    cluster = await start_cluster(processes, tmp_path, sync_interval=0)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        newest = await _write_synced_then_newer(storage)
+        for node in (2, 3):
+            processes.kill(cluster.chunkservers[node][1], signal.SIGTERM)  # a clean stop flushes
+            await _wait_for_state(mgmtd, node * 100, TargetState.OFFLINE)
+        cluster.kill_chunkserver(1)  # the newest write was held in memory: it dies with the process
+        await _wait_for_state(mgmtd, 100, TargetState.LASTSRV)
+        assert b"".join(replica_contents(tmp_path, (1,))[0][(9, i)] for i in range(3)) != newest
+        cluster.start_chunkserver(1, cluster.chunkservers[1][0])
+        await _wait_for_state(mgmtd, 100, TargetState.SERVING)
+        assert (await mgmtd.call(STATUS, Empty())).routing.chains[0].recovering
+        for node in (2, 3):
+            cluster.start_chunkserver(node, cluster.chunkservers[node][0])
+        await _all_serving_with(mgmtd, storage, newest)
+    processes.stop_all()
+    replicas = replica_contents(tmp_path, (1, 2, 3))
+    assert all(replica == replicas[0] for replica in replicas)
 
 
 async def test_full_disk_gives_enospc_and_keeps_stored_data(processes, tmp_path):
