@@ -161,10 +161,17 @@ class ClusterManager:
                 node.alive = False
                 changed += self._node_down(node.node_id)
         for chain_id, recovery in list(self.state.recoveries.items()):
-            if now - recovery.since >= self.recovery_wait:
+            if now - recovery.since < self.recovery_wait:
+                continue
+            # give up only on targets that are down: one that is back may be syncing, and its newer chunks still
+            # have to be pulled before normal resync would overwrite them
+            back = [t for t in recovery.awaiting if self.state.nodes[self.state.target_nodes[t]].alive]
+            if back != recovery.awaiting:
                 log.error("chain %d: targets %s did not return within %.0f s; target %d serves without them, and"
-                          " acknowledged writes only they held are lost", chain_id, recovery.awaiting,
-                          self.recovery_wait, recovery.target_id)
+                          " acknowledged writes only they held are lost", chain_id,
+                          sorted(set(recovery.awaiting) - set(back)), self.recovery_wait, recovery.target_id)
+                recovery.awaiting = back
+            if not back:
                 del self.state.recoveries[chain_id]
                 self._set(self.state.chains[chain_id], {})
                 changed.append(chain_id)

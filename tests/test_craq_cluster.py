@@ -151,6 +151,19 @@ def test_a_recovering_chain_serves_without_targets_that_do_not_return_within_the
     assert layout(mgr, 1) == [(10, S), (30, Y), (20, O)]
 
 
+def test_at_the_end_of_the_wait_a_target_that_is_back_is_still_pulled_from():
+    """Only the targets that are down are given up on: one syncing at the deadline may hold newer chunks, which
+    normal resync would overwrite if the chain served at once."""
+    mgr = lastsrv_back(unclean=True, recovery_wait=2.0)
+    beat(mgr, 2, 4.5)
+    beat(mgr, 1, 4.5, incarnation=2)
+    assert layout(mgr, 1) == [(10, S), (20, Y), (30, O)]
+    assert mgr.tick(5.2) == [] and mgr.state.chains[1].recovering  # the wait is over, but 20 is being pulled from
+    assert mgr.state.recoveries[1].awaiting == [20]  # 30 is given up on
+    mgr.resync_done(ResyncDone(1, mgr.state.chains[1].chain_version, 20))
+    assert not mgr.state.chains[1].recovering and not mgr.state.recoveries
+
+
 def test_a_rolled_back_target_that_restarts_again_waits_for_every_other_target_again():
     mgr = lastsrv_back(unclean=True)
     beat(mgr, 2, 3.2)
