@@ -15,8 +15,9 @@ Rules
   target of the chain may return with newer ones it acknowledged. It becomes serving in a *recovering* chain
   (:attr:`ChainConfig.recovering`: it serves nothing), every other target of the chain is awaited, and each
   returning one syncs in turn only so that the recovering target pulls the chunks it holds newer; its
-  :class:`ResyncDone` puts it back to waiting. Once none is awaited, or after ``recovery_wait`` (a target lost for
-  good; logged loudly, since what only it held is lost), the chain serves and resyncs the others as usual.
+  :class:`ResyncDone` puts it back to waiting. Once none is awaited the chain serves and resyncs the others as usual;
+  after ``recovery_wait`` the awaited targets that are down are given up on (lost for good, say; logged loudly,
+  since what only they held is lost).
 - Chain order is always serving, syncing, waiting, lastsrv, offline (stable within a state, newly down last).
 - Heartbeat replies grant a read lease of ``lease`` (< ``heartbeat_timeout``) from the heartbeat's send time,
   so a node mgmtd declares dead has stopped serving reads by then.
