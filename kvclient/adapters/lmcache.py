@@ -55,6 +55,8 @@ class KvfsConnector(RemoteConnector):
         if not path or not namespace:
             raise ValueError(f"the kvfs connector needs remote_storage_plugin.{PLUGIN}.config (a kvfs client "
                              f"config) and remote_storage_plugin.{PLUGIN}.namespace in extra_config")
+        if config is not None and config.use_layerwise:
+            raise ValueError("the kvfs connector stores whole chunks; LMCache's use_layerwise is not supported")
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.kv = AsyncKVClient.from_config(path, namespace)

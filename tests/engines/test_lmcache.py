@@ -139,10 +139,15 @@ def test_long_and_slashed_keys() -> None:
     assert len(entry_name(long)) <= 255 and entry_name(long) != entry_name(short)
 
 
-def test_missing_config_is_a_clear_error(loop) -> None:
+@pytest.mark.parametrize(("settings", "message"), [
+    ({}, "remote_storage_plugin.kvfs.config"),
+    ({"use_layerwise": True, "extra_config": {"remote_storage_plugin.kvfs.config": "c.toml",
+                                              "remote_storage_plugin.kvfs.namespace": "n"}}, "use_layerwise"),
+])
+def test_bad_config_is_a_clear_error(loop, settings, message) -> None:
     from kvfs.kvclient.adapters.lmcache import KvfsConnector
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05)
+    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05, **settings)
     metadata = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=torch.float16, kv_shape=KV_SHAPE, chunk_size=CHUNK)
-    with pytest.raises(ValueError, match="remote_storage_plugin.kvfs.config"):
+    with pytest.raises(ValueError, match=message):
         KvfsConnector(loop, LocalCPUBackend(config, metadata), config)
