@@ -8,7 +8,7 @@ DEB_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv git \
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv up down status test clean deb
+.PHONY: venv up down status test test-engines clean deb
 
 # Install only the Debian packages that are missing, so repeated runs stay fast and offline-friendly.
 deb:
@@ -39,5 +39,22 @@ status: venv
 test: venv
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+# The engine adapters' tests, each in a venv of its own (2-3.5 GB each, so not in `make test`): torch first, as
+# a CPU wheel where TORCH names one, then this project with the engine's extra.
+ENGINES      ?= lmcache
+ENGINE_VENVS ?= .venv-engines
+TORCH        ?= torch==2.13.0
+
+$(ENGINE_VENVS)/%/.installed: pyproject.toml
+	$(MAKE) deb
+	$(PYTHON) -m venv $(ENGINE_VENVS)/$*
+	$(ENGINE_VENVS)/$*/bin/pip install -q --upgrade pip
+	$(ENGINE_VENVS)/$*/bin/pip install -q $(TORCH)
+	$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test,$*]'
+	touch $@
+
+test-engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
+	for e in $(ENGINES); do $(ENGINE_VENVS)/$$e/bin/python -m pytest -q tests/engines/test_$$e.py $(PYTEST_ARGS) || exit 1; done
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(ENGINE_VENVS) *.egg-info .pytest_cache
