@@ -51,8 +51,22 @@ def mla_pool() -> MLATokenToKVPoolHost:
                                 target_layer_num=LAYERS)
 
 
-def backend(cluster, ns: str, pool, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra):
-    """The backend as SGLang's cache controller makes it: the factory's dynamic loader, then the host pool."""
+@pytest.fixture
+def backend(kvfs_cluster, ns):
+    """Makes backends as SGLang's cache controller does (the factory's dynamic loader, then the host pool) and
+    closes them after the test."""
+    made = []
+
+    def make(pool, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False, **extra):
+        storage = _backend(kvfs_cluster, ns, pool, tp_rank=tp_rank, tp_size=tp_size, mla=mla, **extra)
+        made.append(storage)
+        return storage
+    yield make
+    for storage in made:
+        storage.close()
+
+
+def _backend(cluster, ns: str, pool, *, tp_rank: int, tp_size: int, mla: bool, **extra):
     config = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name="org/tiny-model",
@@ -82,10 +96,10 @@ def pages(pool, indices: torch.Tensor) -> list[bytes]:
 TOKENS_IDS = list(range(100, 100 + 4 * PAGE))
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
-def test_mha_pages_round_trip_through_the_host_pool(kvfs_cluster, ns, layout) -> None:
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head", "layer_first"])
+def test_mha_pages_round_trip_through_the_host_pool(backend, layout) -> None:
     pool = mha_pool(layout)
-    storage = backend(kvfs_cluster, ns, pool)
+    storage = backend(pool)
     keys = get_hash_str(TOKENS_IDS, None, page_size=PAGE)
     src, dst = torch.arange(0, 4 * PAGE), torch.arange(8 * PAGE, 12 * PAGE)
     fill(pool, src, 1)
@@ -95,27 +109,38 @@ def test_mha_pages_round_trip_through_the_host_pool(kvfs_cluster, ns, layout) ->
     assert storage.batch_exists(keys, info) == 3 and storage.exists(keys[0]) and not storage.exists(keys[3])
     assert storage.batch_get_v1(keys, dst, info) == [True, True, True, False]
     assert pages(pool, dst)[:3] == pages(pool, src)[:3]
-    storage.close()
 
 
-def test_entries_carry_the_tp_rank_and_ranks_do_not_share(kvfs_cluster, ns) -> None:
+def test_another_layout_or_dtype_misses_rather_than_reads_garbage(backend) -> None:
+    """page_first and page_first_direct pages have the same sizes but another byte order: the geometry tag in
+    the entry names keeps them apart, as it does pools of another dtype."""
+    pool = mha_pool("page_first")
+    storage = backend(pool)
+    keys = get_hash_str(TOKENS_IDS, None, page_size=PAGE)[:2]
+    fill(pool, torch.arange(0, 2 * PAGE), 5)
+    assert storage.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
+    other = backend(mha_pool("page_first_direct"))
+    assert other.batch_exists(keys) == 0
+    assert other.batch_get_v1(keys, torch.arange(0, 2 * PAGE)) == [False, False]
+    assert backend(mla_pool(), mla=True).batch_exists(keys) == 0
+
+
+def test_entries_carry_the_tp_rank_and_ranks_do_not_share(backend, kvfs_cluster, ns) -> None:
     pool = mha_pool()
-    rank0 = backend(kvfs_cluster, ns, pool, tp_rank=0, tp_size=2)
-    rank1 = backend(kvfs_cluster, ns, pool, tp_rank=1, tp_size=2)
+    rank0 = backend(pool, tp_rank=0, tp_size=2)
+    rank1 = backend(pool, tp_rank=1, tp_size=2)
     keys = get_hash_str(TOKENS_IDS, None, page_size=PAGE)[:2]
     fill(pool, torch.arange(0, 2 * PAGE), 2)
     assert rank0.batch_set_v1(keys, torch.arange(0, 2 * PAGE)) == [True, True]
     assert rank1.batch_exists(keys) == 0
     names = sorted(p.name for p in (kvfs_cluster.mount / "kvcache" / ns).iterdir())
     assert len(names) == 4 and all("-tp0of2-" in n for n in names)  # K and V of two pages
-    rank0.close()
-    rank1.close()
 
 
-def test_mla_is_written_by_rank_zero_and_read_by_every_rank(kvfs_cluster, ns) -> None:
+def test_mla_is_written_by_rank_zero_and_read_by_every_rank(backend, kvfs_cluster, ns) -> None:
     pool = mla_pool()
-    rank0 = backend(kvfs_cluster, ns, pool, tp_rank=0, tp_size=2, mla=True)
-    rank1 = backend(kvfs_cluster, ns, pool, tp_rank=1, tp_size=2, mla=True)
+    rank0 = backend(pool, tp_rank=0, tp_size=2, mla=True)
+    rank1 = backend(pool, tp_rank=1, tp_size=2, mla=True)
     keys = get_hash_str(TOKENS_IDS, None, page_size=PAGE)[:2]
     src, dst = torch.arange(0, 2 * PAGE), torch.arange(4 * PAGE, 6 * PAGE)
     fill(pool, src, 3)
@@ -126,15 +151,13 @@ def test_mla_is_written_by_rank_zero_and_read_by_every_rank(kvfs_cluster, ns) ->
     assert rank1.batch_exists(keys) == 2
     assert rank1.batch_get_v1(keys, dst) == [True, True]
     assert pages(pool, dst) == pages(pool, src)
-    rank0.close()
-    rank1.close()
 
 
-def test_wrong_sized_entries_fail_their_page_and_stay_intact(kvfs_cluster, ns) -> None:
+def test_wrong_sized_entries_fail_their_page_and_stay_intact(backend, kvfs_cluster, ns) -> None:
     """An entry longer or shorter than the page's buffer is a failed page (HiCache stops there); the stored
     bytes are not touched, nor is a repeated put of an existing page rewritten."""
     pool = mha_pool()
-    storage = backend(kvfs_cluster, ns, pool)
+    storage = backend(pool)
     keys = get_hash_str(TOKENS_IDS, None, page_size=PAGE)[:3]
     fill(pool, torch.arange(0, 3 * PAGE), 4)
     assert storage.batch_set_v1(keys[:1], torch.arange(0, PAGE)) == [True]
@@ -145,13 +168,12 @@ def test_wrong_sized_entries_fail_their_page_and_stay_intact(kvfs_cluster, ns) -
         assert storage.batch_set_v1(keys, torch.arange(0, 3 * PAGE)) == [True] * 3
         assert storage.batch_get_v1(keys, torch.arange(8 * PAGE, 11 * PAGE)) == [True, False, False]
         assert kv.get(long_name) == b"x" * 10_000 and kv.get(short_name) == b"y" * 3
-    storage.close()
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"namespace": ""}, "namespace"),
     ({"interface_v1": 0}, "interface_v1"),
 ])
-def test_bad_config_is_a_clear_error(kvfs_cluster, ns, extra, message) -> None:
+def test_bad_config_is_a_clear_error(backend, extra, message) -> None:
     with pytest.raises(ValueError, match=message):
-        backend(kvfs_cluster, ns, mha_pool(), **extra)
+        backend(mha_pool(), **extra)
