@@ -19,6 +19,7 @@ import bisect
 import errno
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +95,17 @@ class KvfsHiCacheStorage(HiCacheStorage):
             raise ValueError(f"{len(keys)} keys but {len(ptrs)} page buffers for {self.parts} per page")
         return self._entries(keys), [self._slice(p, s) for p, s in zip(ptrs, sizes)]
 
+    def _batch(self, what: str, keys: list[str], host_indices: torch.Tensor,
+               call: Callable[[list[str], list[memoryview]], list[int]]) -> tuple[list[str], list[memoryview],
+                                                                                  list[int]] | None:
+        """``call`` on every page buffer's entry and view, or None (logged) where the batch failed as a whole."""
+        try:
+            names, views = self._pages(keys, host_indices)
+            return names, views, call(names, views)
+        except (OSError, ValueError, TypeError) as e:
+            logger.error("kvfs HiCache %s of %d pages failed: %s", what, len(keys), e)
+            return None
+
     def _per_page(self, ok: list[bool]) -> list[bool]:
         return [all(ok[i:i + self.parts]) for i in range(0, len(ok), self.parts)]
 
@@ -101,12 +113,10 @@ class KvfsHiCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Every buffer of every page read straight into the host pool, in one batch; a page is loaded only if
         each of its entries had exactly its buffer's size."""
-        try:
-            names, views = self._pages(keys, host_indices)
-            results = self.kv.batch_get_into(names, views)
-        except (OSError, ValueError, TypeError) as e:
-            logger.error("kvfs HiCache get of %d pages failed: %s", len(keys), e)
+        done = self._batch("get", keys, host_indices, self.kv.batch_get_into)
+        if done is None:
             return [False] * len(keys)
+        names, views, results = done
         for name, r in zip(names, results):
             if r < 0 and r != -errno.ENOENT:
                 logger.error("kvfs HiCache get of %s failed: %s", name, errno.errorcode.get(-r, r))
@@ -118,13 +128,8 @@ class KvfsHiCacheStorage(HiCacheStorage):
         MLA rows are the same on every rank: only the storage writer puts them, the others report success."""
         if not self.config.is_storage_writer:
             return [True] * len(keys)
-        try:
-            names, views = self._pages(keys, host_indices)
-            results = self.kv.batch_put(names, views)
-        except (OSError, ValueError, TypeError) as e:
-            logger.error("kvfs HiCache put of %d pages failed: %s", len(keys), e)
-            return [False] * len(keys)
-        return self._per_page([r == 0 for r in results])
+        done = self._batch("put", keys, host_indices, self.kv.batch_put)
+        return [False] * len(keys) if done is None else self._per_page([r == 0 for r in done[2]])
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """The leading pages with all their entries present, in one metadata round trip."""
