@@ -47,7 +47,8 @@ ENGINES      ?= lmcache sglang
 ENGINE_VENVS ?= .venv-engines
 TORCH        ?= torch==2.13.0
 
-$(ENGINE_VENVS)/%/.installed: pyproject.toml $(wildcard tests/engines/*.txt)
+.SECONDEXPANSION:
+$(ENGINE_VENVS)/%/.installed: pyproject.toml $$(wildcard tests/engines/*-$$*.txt)
 	$(MAKE) deb
 	$(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/pip install -q --upgrade pip
