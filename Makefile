@@ -40,17 +40,25 @@ test: venv
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The engine adapters' tests, each in a venv of its own (2-3.5 GB each, so not in `make test`): torch first, as
-# a CPU wheel where TORCH names one, then this project with the engine's extra.
-ENGINES      ?= lmcache
+# a CPU wheel where TORCH names one, then this project with the engine's extra. An engine whose own requirements
+# cannot install here (SGLang's pin CUDA-only kernels) has tests/engines/requirements-<engine>.txt instead (torch
+# and the modules it imports) and goes in without its dependencies from tests/engines/nodeps-<engine>.txt.
+ENGINES      ?= lmcache sglang
 ENGINE_VENVS ?= .venv-engines
 TORCH        ?= torch==2.13.0
 
-$(ENGINE_VENVS)/%/.installed: pyproject.toml
+.SECONDEXPANSION:
+$(ENGINE_VENVS)/%/.installed: pyproject.toml $$(wildcard tests/engines/*-$$*.txt)
 	$(MAKE) deb
 	$(PYTHON) -m venv $(ENGINE_VENVS)/$*
 	$(ENGINE_VENVS)/$*/bin/pip install -q --upgrade pip
-	$(ENGINE_VENVS)/$*/bin/pip install -q $(TORCH)
-	$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test,$*]'
+	if [ -f tests/engines/requirements-$*.txt ]; then \
+		$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test]' -r tests/engines/requirements-$*.txt && \
+		$(ENGINE_VENVS)/$*/bin/pip install -q --no-deps -r tests/engines/nodeps-$*.txt; \
+	else \
+		$(ENGINE_VENVS)/$*/bin/pip install -q $(TORCH) && \
+		$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test,$*]'; \
+	fi
 	touch $@
 
 test-engines: $(foreach e,$(ENGINES),$(ENGINE_VENVS)/$(e)/.installed)
