@@ -139,8 +139,9 @@ log = logging.getLogger("kvfs.chunkserver.engine")
 CLEAN_MARKER = "CLEAN"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_path(path: Path, flags: int = os.O_RDONLY | os.O_DIRECTORY) -> None:
+    """Open ``path`` with ``flags`` (a directory by default; ``O_CREAT`` makes an empty marker) and fsync it."""
+    fd = os.open(path, flags, 0o644)
     try:
         os.fsync(fd)
     finally:
@@ -316,7 +317,7 @@ class ChunkEngine:
         self._load()
         if fsync:
             for d in (self.root, self.root / "data"):
-                _fsync_dir(d)
+                _fsync_path(d)
 
     def _drop_torn_versions(self) -> bool:
         """After a crash in write-back mode, check every version staged since the last flush: a power loss may
@@ -373,12 +374,8 @@ class ChunkEngine:
         try:
             self.flush()
             if self._fsync:
-                fd = os.open(self.root / CLEAN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                _fsync_dir(self.root)
+                _fsync_path(self.root / CLEAN_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                _fsync_path(self.root)
         finally:
             self._close_files()
 
