@@ -89,8 +89,8 @@ until a flush writes it out. If the chunk is written again before that, the new 
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
 flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
 copy per flush instead of one per write. Anything that reads a held version's slot (a read, a loan, a partial
-write's old blocks, a short-circuit reader) writes it out first; past ``hold_bytes`` the oldest held versions are
-written out by the writer that went past it.
+write's old blocks, a short-circuit reader) writes it out first. Past half of ``hold_bytes`` a background thread
+writes out the oldest held versions, beside the writers; past ``hold_bytes`` the writer that went past it does.
 
 What it costs: a kill -9 now loses what the target holds, as a power loss loses unflushed writes in plain
 write-back. The versions were staged (their rows name slots the bytes never reached) and listed as unflushed,
@@ -380,6 +380,7 @@ class ChunkEngine:
             self._close_files()
 
     def _close_files(self) -> None:
+        self._held.stop()
         self._rows.close()
         self._slots.close()
         os.close(self._lockfd)

@@ -4,11 +4,17 @@ A held version's slot is allocated and its row staged; only its bytes wait here,
 oldest first. :class:`HeldWrites` keeps the map, its byte count and the gauge together, and writes a held
 version out into its slot when something needs the bytes there (a flush, a read, staying within ``hold_bytes``).
 It shares the engine's lock: its callers hold it where a method says so.
+
+Past half of ``hold_bytes`` a background thread writes out the oldest held versions, as the kernel's flusher
+threads start on dirty pages at ``dirty_background_ratio``: a stream larger than the limit then reaches the disk
+beside the writers instead of in their path, and a writer waits for the disk itself only when the thread falls
+behind by the other half.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +27,11 @@ HELD_BYTES = prometheus_client.Counter(
 HELD_NOW = prometheus_client.Gauge("kvfs_chunk_held_bytes_now", "Bytes of chunk writes held in memory now")
 
 Slot = tuple[int, int]  # (size class, slot)
+
+log = logging.getLogger(__name__)
+#: After a background write-out failed (ENOSPC, EIO), wait this long before the next: a flush or a writer past
+#: the limit meets the error itself meanwhile.
+RETRY_AFTER = 1.0
 
 
 class HeldWrites:
@@ -37,6 +48,10 @@ class HeldWrites:
         self._held: dict[Slot, memoryview] = {}  # slot -> its version's unwritten bytes, oldest first
         self._writing: dict[Slot, bool] = {}  # slot being written out from _held -> freed meanwhile
         self._written = threading.Condition(lock)  # a write-out ended
+        self._background = limit // 2  # past this many bytes held, the write-behind thread writes out the oldest
+        self._over_background = threading.Condition(lock)
+        self._stopping = threading.Event()
+        self._write_behind: threading.Thread | None = None
 
     def hold(self, cls: int, slot: int, data: memoryview) -> bool:
         """Keep ``data``, a whole new version for ``slot``, in memory instead of writing it now; False where it must
@@ -47,6 +62,8 @@ class HeldWrites:
             return False
         with self._lock:
             self._put((cls, slot), data)
+            if self.bytes > self._background:
+                self._wake_write_behind()
         while self.bytes > self.limit:
             with self._lock:
                 oldest = next(iter(self._held), None)
@@ -54,6 +71,37 @@ class HeldWrites:
                 break
             self.write_out(oldest)
         return True
+
+    def _wake_write_behind(self) -> None:
+        """(Caller holds the lock.) Start the write-behind thread on first need; wake it."""
+        if self._write_behind is None and not self._stopping.is_set():
+            self._write_behind = threading.Thread(target=self._write_behind_loop, name="held-write-behind",
+                                                  daemon=True)
+            self._write_behind.start()
+        self._over_background.notify()
+
+    def _write_behind_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self.bytes <= self._background and not self._stopping.is_set():
+                    self._over_background.wait()
+                if self._stopping.is_set():
+                    return
+                oldest = next(iter(self._held))
+            try:
+                self.write_out(oldest)
+            except OSError as e:  # kept held (write_out puts it back): a flush reports it to its caller
+                log.warning("writing out held chunk data failed, trying again in %.0f s: %s", RETRY_AFTER, e)
+                self._stopping.wait(RETRY_AFTER)
+
+    def stop(self) -> None:
+        """End the write-behind thread (before the engine's last flush); held bytes stay for that flush."""
+        self._stopping.set()
+        with self._lock:
+            self._over_background.notify()
+            thread = self._write_behind
+        if thread is not None:
+            thread.join()
 
     def _put(self, key: Slot, data: memoryview) -> None:
         """(Caller holds the lock.)"""
