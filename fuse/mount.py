@@ -176,6 +176,8 @@ async def run_mount(
                 pyfuse3.close(unmount=True)
             except Exception:
                 log.exception("pyfuse3.close")
+            if ops.local is not None:
+                ops.local.close()
 
 
 async def _tune_kernel(ops: KvfsOperations, mountpoint: str, read_ahead_kb: int, max_background: int) -> None:

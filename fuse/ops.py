@@ -36,6 +36,7 @@ from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache
 from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
+from .local import LocalReads
 from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, parallel, per_chunk
 
 log = logging.getLogger(__name__)
@@ -141,11 +142,13 @@ class KvfsOperations(pyfuse3.Operations):
         read_cache: int = 256 * MIB,
         coherent_timeout: float = 60.0,
         delegations: bool = True,
+        short_circuit: bool = False,
     ) -> None:
         """``entry_timeout``/``attr_timeout`` are what the kernel gets while the change feed is not followed;
         while it is, ``coherent_timeout`` (0: never follow it). See fuse/coherence.py. ``delegations``: answer
         creates and removals in directories meta delegates to this mount itself (fuse/dirops.py; needs the
-        feed and a client id)."""
+        feed and a client id). ``short_circuit``: small reads of chunks with a replica on this host come from its
+        file (fuse/local.py; needs the real storage client)."""
         super().__init__()
         self.meta = meta
         self.storage = storage
@@ -157,6 +160,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.keep_cache = keep_cache
         self.groups_ttl = groups_ttl
         self.cache = BlockCache(read_cache) if read_cache else None
+        self.local = LocalReads(storage) if short_circuit else None
         self.coherence = Coherence(coherent_timeout) if coherent_timeout > 0 and hasattr(meta, "watch") else None
         self.client_id: bytes = getattr(meta, "client_id", b"")  # whose lease keeps this mount's sessions
         self.dirops: DirOps | None = None
@@ -389,8 +393,11 @@ class KvfsOperations(pyfuse3.Operations):
             if st is not None:
                 st.size = new_size
                 self._changed(st)
-            elif self.cache is not None:
-                self.cache.drop(inode)
+            else:
+                if self.cache is not None:
+                    self.cache.drop(inode)
+                if self.local is not None:
+                    self.local.drop(inode)
             if old is not None and new_size < old:
                 layout = st.layout if st is not None else await self._layout(caller, inode)
                 await self.storage.truncate(inode, layout, old, new_size)
@@ -737,7 +744,8 @@ class KvfsOperations(pyfuse3.Operations):
                 start = index * CACHE_BLOCK  # a block never spans chunks: chunk sizes are multiples of it
                 data = bytearray(min(CACHE_BLOCK, st.size - start))
                 async with self.read_limit:
-                    await self.storage.read(st.ino, st.layout, start, memoryview(data))
+                    if self.local is None or not await self.local.read(st, start, memoryview(data)):
+                        await self.storage.read(st.ino, st.layout, start, memoryview(data))
                 blocks[index] = data
 
             if len(missing) == 1:
@@ -758,6 +766,8 @@ class KvfsOperations(pyfuse3.Operations):
     def _changed(self, st: InodeState, offset: int = 0, length: int | None = None) -> None:
         """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None)."""
         st.changes += 1
+        if self.local is not None:
+            self.local.drop(st.ino)
         if self.cache is not None:
             if length is None:
                 self.cache.drop(st.ino)

@@ -23,6 +23,7 @@ from prometheus_client import Counter, Histogram
 
 from kvfs.chunkserver.client import StorageClient
 from kvfs.chunkserver.protocol import CHUNK_LIMITS
+from kvfs.chunkserver.shortcircuit import enabled_by_environment
 from kvfs.config import ClusterConfig, load_config
 from kvfs.craq.client import MgmtdClient
 from kvfs.errors import KvfsError
@@ -280,7 +281,7 @@ class KVClient:
         self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
         self._access_flush = access_flush
         if short_circuit is None:
-            short_circuit = os.environ.get("KVFS_SHORT_CIRCUIT", "1") != "0"
+            short_circuit = enabled_by_environment()
         self._short_circuit = short_circuit
         self._gpu_lock = threading.Lock()
         self._gpu_support: GpuSupport | None = None

@@ -5,17 +5,14 @@ For each chunk the reader asks a chunk server on this host where the version a r
 (``StorageClient.locate``, ``chunk.locate``): the server picks the version by the chain's rules, as for a read,
 and keeps it pinned (its slot not reused) until a deadline on the host's monotonic clock. The reader then reads
 the slot file itself (``preadv`` into the caller's buffer, or KvikIO into GPU memory), checks every block's CRC32C
-and that the deadline has not passed, and otherwise reads that chunk over the network instead
-(chunkserver/README.md, "Short-circuit reads", has the argument). Which way each chunk goes is
-:func:`kvfs.kvclient.gpu.choose_read_path`.
+and that the deadline has not passed (:mod:`kvfs.chunkserver.shortcircuit`, shared with the mount), and otherwise
+reads that chunk over the network instead (chunkserver/README.md, "Short-circuit reads", has the argument). Which way
+each chunk goes is :func:`kvfs.kvclient.gpu.choose_read_path`.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import time
 from collections.abc import Callable
 
 import trio
@@ -24,8 +21,7 @@ from prometheus_client import Counter
 from kvfs.aio import Workers, one_error
 from kvfs.chunkserver.client import StorageClient, split_range
 from kvfs.chunkserver.protocol import ChunkLocation
-from kvfs.crc import BLOCK, bad_block
-from kvfs.errors import KvfsError
+from kvfs.chunkserver.shortcircuit import LocalReadFailed, ReplicaFiles
 from kvfs.kvclient.buffers import DeviceSpan
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, ReadPath, choose_read_path
 from kvfs.storage import LayoutLike
@@ -37,16 +33,6 @@ LOCAL_BYTES = Counter("kvfs_kvclient_short_circuit_bytes", "bytes kvclient read 
 GDS_BYTES = Counter("kvfs_kvclient_gds_bytes", "bytes kvclient read from replicas' files straight into GPU memory")
 FALLBACKS = Counter("kvfs_kvclient_short_circuit_fallbacks",
                     "chunks located on this host but read over the network instead", ["reason"])
-
-
-class LocalReadFailed(KvfsError):
-    """A short-circuit read that cannot be trusted or done; ``reason`` labels the fallback metric."""
-
-    default_errno = errno.EIO
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 class ChunkReader:
@@ -62,13 +48,11 @@ class ChunkReader:
         self._gpu_support = gpu_support
         self._gpu = gpu
         self._limit = trio.CapacityLimiter(parallel)
-        self._fds: dict[str, int] = {}
+        self.files = ReplicaFiles()
         self._workers = Workers("kvclient-read")
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.files.close()
 
     async def read(self, ino: int, layout: LayoutLike, size: int, dest: memoryview | DeviceSpan) -> None:
         """Fill ``dest[:size]`` with the file's first ``size`` bytes."""
@@ -92,6 +76,9 @@ class ChunkReader:
                     return
                 except LocalReadFailed as exc:
                     FALLBACKS.labels(exc.reason).inc()
+                    if exc.reason == "permission":  # the targets of this host are closed to this user: stop asking
+                        self.short_circuit = False
+                        self.off_reason = exc.message
                     log.warning("short-circuit read of chunk %d of inode %d: %s; reading it over the network",
                                 index, ino, exc.message)
                     path = choose_read_path(to_gpu, False, support)
@@ -122,61 +109,14 @@ class ChunkReader:
                                                  gpu.to_device(part, staging)))
 
     # ------------------------------------------------------------------- in worker threads
-    def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except PermissionError as exc:
-                self.short_circuit = False  # the targets of this host are closed to this user: stop asking
-                self.off_reason = f"cannot open the chunk servers' files ({exc.strerror}: {path})"
-                raise LocalReadFailed("permission", self.off_reason) from None
-            except OSError as exc:
-                raise LocalReadFailed("open", f"cannot open {path}: {exc.strerror}") from None
-            self._fds[path] = fd
-        return fd
-
-    @staticmethod
-    def _extent(loc: ChunkLocation, within: int, n: int) -> tuple[int, int, int]:
-        """(bytes of the range the version holds, first block boundary, end of the last block touched)."""
-        have = max(0, min(n, loc.length - within))
-        lo = loc.first_block * BLOCK
-        hi = min(-(-(within + have) // BLOCK) * BLOCK, loc.length)
-        return have, lo, hi
-
-    def _pread(self, loc: ChunkLocation, lo: int, buffers: list[memoryview], expect: int) -> None:
-        buffers = [b for b in buffers if len(b)]
-        got = os.preadv(self._fd(loc.path), buffers, loc.file_offset + lo) if buffers else 0
-        if got != expect:
-            raise LocalReadFailed("short", f"{loc.path}: short read ({got} of {expect} bytes)")
-
-    @staticmethod
-    def _check(loc: ChunkLocation, segments: list[tuple[int, memoryview]], lo: int, hi: int) -> None:
-        """After the read: the pin still held (the deadline is on the host's monotonic clock, which the server
-        shares), then every block's CRC."""
-        if time.monotonic_ns() >= loc.deadline_ns:
-            raise LocalReadFailed("lease", f"{loc.path}: read outlasted the server's pin of v{loc.version}")
-        bad = bad_block(segments, lo, hi, loc.block_crcs, loc.first_block)
-        if bad is not None:
-            raise LocalReadFailed("crc", f"{loc.path} slot at {loc.file_offset} block {bad}: CRC32C mismatch")
-
     def _pread_checked(self, loc: ChunkLocation, within: int, out: memoryview) -> None:
-        """``out`` <- bytes at ``within`` of the located version (zeros past its end), blocks checked; the middle
-        lands straight in ``out``, the partial blocks around it in scratch."""
-        have, lo, hi = self._extent(loc, within, len(out))
-        out[have:] = bytes(len(out) - have)
-        if not have:
-            return
-        head, tail = memoryview(bytearray(within - lo)), memoryview(bytearray(hi - within - have))
-        self._pread(loc, lo, [head, out[:have], tail], hi - lo)
-        self._check(loc, [(lo, head), (within, out[:have]), (within + have, tail)], lo, hi)
-        LOCAL_BYTES.inc(have)
+        LOCAL_BYTES.inc(self.files.read_checked(loc, within, out))
 
     def _gds_checked(self, loc: ChunkLocation, within: int, out: DeviceSpan) -> None:
         """``out`` <- the same bytes, read by KvikIO straight into GPU memory; the CRCs are checked on a copy back
         to a pinned host buffer (bytes around the range from the file), as nothing on the GPU computes CRC32C."""
         gpu = self._gpu()
-        have, lo, hi = self._extent(loc, within, len(out))
+        have, lo, hi = self.files.extent(loc, within, len(out))
         if have < len(out):
             gpu.to_device(out[have:], memoryview(bytes(len(out) - have)))
         if not have:
@@ -187,8 +127,8 @@ class ChunkReader:
         with gpu.staging(hi - lo) as scratch:
             head, middle, tail = scratch[: within - lo], scratch[within - lo : within - lo + have], \
                 scratch[within - lo + have :]
-            self._pread(loc, lo, [head], len(head))
-            self._pread(loc, within + have, [tail], len(tail))
+            self.files.pread(loc, lo, [head], len(head))
+            self.files.pread(loc, within + have, [tail], len(tail))
             gpu.to_host(middle, out[:have])
-            self._check(loc, [(lo, scratch)], lo, hi)
+            self.files.check(loc, [(lo, scratch)], lo, hi)
         GDS_BYTES.inc(have)
