@@ -386,6 +386,7 @@ class KVClient:
         library only on a host with an NVIDIA device."""
         reader = self._core.reader if self._core is not None and not self._closed else None
         gpu = self.gpu_support()
+        gdr, gdr_reason = self._gdr()
         return {
             "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
             "transport": self._config.resolved_transport(),
@@ -397,8 +398,8 @@ class KVClient:
             "gds": gpu.gds,
             "gds_direct": gpu.gds_direct,
             "gpu_reason": gpu.reason,
-            "gdr": self._gdr()[0],
-            "gdr_reason": self._gdr()[1],
+            "gdr": gdr,  # "dmabuf" or "peer-memory": how registered GPU memory is offered to the NIC; None: not
+            "gdr_reason": gdr_reason,
         }
 
     def _gdr(self) -> tuple[str | None, str]:
