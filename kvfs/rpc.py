@@ -693,79 +693,65 @@ class Connection:
         into: memoryview | None,
         direct: DirectInto | None = None,
     ) -> tuple[Any, memoryview | None] | None:
-        """One call whose data sections move by RDMA; None when it must be sent over TCP instead."""
-        with contextlib.ExitStack() as stack:
-            if direct is not None:
-                stack.enter_context(direct.region.hold())
-                if plan.receive and (dst := link.direct(direct)) is not None:
-                    return await self._send_rdma(link, plan, method, body, buffers, data_len, into, dst, direct)
-            return await self._send_rdma(link, plan, method, body, buffers, data_len, into, None, None)
-
-    async def _send_rdma(
-        self,
-        link: rdma.RdmaLink,
-        plan: rdma.CallPlan,
-        method: Method,
-        body: bytes,
-        buffers: list[Buffer],
-        data_len: int,
-        into: memoryview | None,
-        dst: RemoteBuffer | None,
-        direct: DirectInto | None,
-    ) -> tuple[Any, memoryview | None] | None:
-        """:meth:`_call_rdma` once the answer's destination is known: ``dst`` in the caller's region, else a slab."""
-        held: list[Slab] = []
-        src = None
-        dst_slab = None
-        try:
-            if plan.send:
-                slab, src = link.stage(buffers, data_len)
-                held.append(slab)
-        except BufferExhausted:
-            pass
-        try:
-            if plan.receive and dst is None:
-                assert into is not None
-                dst_slab, dst = link.reserve(len(into))
-                held.append(dst_slab)
-        except BufferExhausted:
-            pass
-        if src is None and dst is None:
+        """One call whose data sections move by RDMA; None when it must be sent over TCP instead. ``direct``: the
+        answer's data may be written into the caller's region, where this link's domain registered it."""
+        with contextlib.nullcontext() if direct is None else direct.region.hold():
+            held: list[Slab] = []
+            src = dst = None
+            dst_slab = None
+            if direct is not None and plan.receive:
+                dst = link.direct(direct)
+            if dst is None:
+                direct = None  # the answer goes to a slab, or over TCP, and from there into ``into`` (its staging)
+            try:
+                if plan.send:
+                    slab, src = link.stage(buffers, data_len)
+                    held.append(slab)
+            except BufferExhausted:
+                pass
+            try:
+                if plan.receive and dst is None:
+                    assert into is not None
+                    dst_slab, dst = link.reserve(len(into))
+                    held.append(dst_slab)
+            except BufferExhausted:
+                pass
+            if src is None and dst is None:
+                return None
+            tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
+            request_id = next(self._ids)
+            body += rdma.encode_request_trailer(src, dst)
+            frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA)
+            pending = _Pending(method, into, dst=dst_slab, direct=direct, offered=0 if dst is None else dst.length)
+            self._pending[request_id] = pending
+            self._held[request_id] = held
+            sent = False
+            try:
+                await self._writer.put([frame, *tcp_buffers])
+                sent = True
+                await pending.done.wait()
+            finally:
+                given_up = self._pending.pop(request_id, None) is not None
+                if not sent:  # the server never saw the descriptors
+                    self._release_held(request_id)
+                # else: released when the answer arrives (late or not) or the connection closes
+                elif direct is not None and (given_up or self._closed is not None):
+                    self._abandon_direct(link, method)
+            error = pending.error
+            if error is None:
+                return pending.response, pending.data
+            if not isinstance(error, _RdmaNotMoved):
+                raise error
+            if error.errno not in rdma.TRANSIENT_ERRNOS:
+                self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
             return None
-        tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
-        request_id = next(self._ids)
-        body += rdma.encode_request_trailer(src, dst)
-        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA)
-        pending = _Pending(method, into, dst=dst_slab, direct=direct, offered=0 if dst is None else dst.length)
-        self._pending[request_id] = pending
-        self._held[request_id] = held
-        sent = False
-        try:
-            await self._writer.put([frame, *tcp_buffers])
-            sent = True
-            await pending.done.wait()
-        finally:
-            given_up = self._pending.pop(request_id, None) is not None
-            if not sent:  # the server never saw the descriptors
-                self._release_held(request_id)
-            # else: released when the answer arrives (late or not) or the connection closes
-            elif direct is not None and (given_up or self._closed is not None):
-                self._abandon_direct(link, method)
-        error = pending.error
-        if error is None:
-            return pending.response, pending.data
-        if not isinstance(error, _RdmaNotMoved):
-            raise error
-        if error.errno not in rdma.TRANSIENT_ERRNOS:
-            self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
-        return None
 
     def _abandon_direct(self, link: rdma.RdmaLink, method: Method) -> None:
         """A call that named the caller's own region ended without its answer (given up, or its connection lost):
         the server could still WRITE into memory the caller is about to reuse or retry into. Destroying the queue
         pair now, before this returns to the caller, makes that impossible (the queue pair would otherwise go only
         when the connection's tasks finish); the connection goes with it and the next call connects afresh."""
-        link.fail(f"a {method.name} call naming a caller's registered region was given up")
+        link.fail(f"a {method.name} call naming a caller's registered region ended without its answer")
         self.close()
 
     def _rdma_failed(self, link: rdma.RdmaLink, reason: str) -> None:
