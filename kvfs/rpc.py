@@ -62,7 +62,7 @@ from kvfs.errors import (
 from kvfs.pool import RECEIVED
 from kvfs.transport import link as rdma
 from kvfs.transport import negotiate, shm
-from kvfs.transport.buffers import RemoteBuffer, Slab
+from kvfs.transport.buffers import Slab
 from kvfs.transport.direct import DirectInto
 from kvfs.transport.errors import BufferExhausted, RdmaError
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer

@@ -93,6 +93,20 @@ async def test_every_other_way_the_answer_lands_in_the_staging_buffer(nursery, f
         assert not fabric.writes
 
 
+async def test_a_dmabuf_export_that_fails_leaves_the_domain_to_staging(nursery, fabric, caplog):
+    server, address, calls, sf, cf = await rdma_pair(nursery, fabric)
+
+    def export(addr: int, length: int) -> DmaBuf:
+        raise KvfsError("cuMemGetHandleForAddressRange failed: CUresult 1", errno.EIO)
+
+    mem = Memory(export=export)
+    async with RpcClient(TOKEN, rdma_factory=cf) as client:
+        target = mem.target(0, 50_000)
+        await client.call_with_data(address, ECHO, Req(want=50_000), into=target)
+    assert target.written == 0 and bytes(mem.staging[:50_000]) == pattern(50_000, seed=3) and not cf.direct
+    assert "CUresult 1" in mem.region.refusal(cf)
+
+
 async def test_an_unregistered_region_refuses_before_anything_is_sent(nursery, fabric):
     server, address, calls, sf, cf = await rdma_pair(nursery, fabric)
     mem = Memory()
