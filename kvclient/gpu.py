@@ -20,10 +20,10 @@ only where an NVIDIA device node exists, so a CPU-only process that uses kvclien
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import glob
-import ctypes
 import importlib
 import mmap
 import os
@@ -47,6 +47,7 @@ class ReadPath(enum.Enum):
     LOCAL_STAGED = "local-staged"  # pread into a pinned host buffer, then a copy to the GPU
     NETWORK_STAGED = "network-staged"  # chunk server -> pinned host buffer -> GPU
     NETWORK_GDR = "network-gdr"  # chunk server RDMA-WRITEs into GPU memory (a pinned host buffer on a TCP link)
+
 
 GDR_DMABUF = "dmabuf"
 GDR_PEER_MEMORY = "peer-memory"
