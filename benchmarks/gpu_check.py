@@ -1,4 +1,4 @@
-"""GPU read check for kvclient: GB/s of N MiB blocks landing in GPU memory, three ways, on one local cluster.
+"""GPU read check for kvclient: GB/s of N MiB blocks landing in GPU memory, each way kvclient has, on one local cluster.
 
     .venv/bin/python benchmarks/gpu_check.py [--block-mib 4] [--blocks 64] [--batch 16] [--device 0]
 
@@ -13,11 +13,15 @@ all back in batches of ``--batch``:
   back to pinned host memory);
 * GPU, raw KvikIO: ``kvikio.CuFile(path).pread`` of the same slot-file ranges into the same GPU buffers, no
   checks, as the ceiling of what GDS gives here;
-* GPU, host read + copy: ``batch_get_into`` pinned host buffers, then a copy of each to the GPU.
+* GPU, host read + copy: ``batch_get_into`` pinned host buffers, then a copy of each to the GPU;
+* GPU, network, GPUDirect RDMA: ``batch_get_into`` GPU buffers registered with ``register_buffer(..., "cuda")``
+  with ``short_circuit=False``, so the chunk servers RDMA-WRITE each chunk straight into GPU memory (the row says
+  what share of the bytes went that way, from ``kvfs_kvclient_gdr_bytes_total``); beside it the same reads into
+  unregistered GPU buffers (network into a pinned buffer, then a copy).
 
-Without a GPU (or without cupy/torch, or KvikIO) the GPU rows are skipped with the reason and the host rows still
-run, so the script is known to work up to the GPU calls. Every read is checked against the payload (the first
-block's bytes on the GPU are copied back for that).
+Without a GPU (or without cupy/torch, or KvikIO, or an RDMA NIC the GPU can reach) the rows that need them are
+skipped with the reason and the others still run, so the script is known to work up to the GPU calls. Every read
+is checked against the payload (the first block's bytes on the GPU are copied back for that).
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ from typing import Any
 
 import msgspec
 
-from kvfs.config import load_config
+from prometheus_client import REGISTRY
+
+from kvfs.config import ClusterConfig, load_config
 from kvfs.kvclient import KVClient
+from kvfs.kvclient.buffers import DeviceSpan
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
 from kvfs.localcluster import LocalCluster
 
@@ -76,8 +83,8 @@ def slot_ranges(kv: KVClient, key: str) -> list[tuple[str, int, int, int]]:
     assert core is not None
 
     async def locate() -> list[tuple[str, int, int, int]]:
-        attr = await core._lookup(key.encode())
-        layout = await core.meta.get_layout(core.caller, attr.ino)
+        (found,) = await core.lookup_many([key.encode()])
+        attr, layout = found.attr, found.layout
         ranges = []
         for index, at in enumerate(range(0, attr.size, layout.chunk_size)):
             n = min(layout.chunk_size, attr.size - at)
@@ -90,24 +97,31 @@ def slot_ranges(kv: KVClient, key: str) -> list[tuple[str, int, int, int]]:
     return kv._call(locate)
 
 
+def gpu_arrays(gpu: GpuBackend, count: int, block: int, device: int) -> tuple[list[Any], Callable[[], None]]:
+    """``count`` GPU arrays of ``block`` bytes (cupy or torch, as the backend copies) and a device synchronize."""
+    lib = gpu._lib
+    if gpu.support.copier == "cupy":
+        with lib.cuda.Device(device):
+            return [lib.empty(block, dtype=lib.uint8) for _ in range(count)], lib.cuda.Device(device).synchronize
+    return ([lib.empty(block, dtype=lib.uint8, device=f"cuda:{device}") for _ in range(count)],
+            lambda: lib.cuda.synchronize(device))
+
+
+def check_first(gpu: GpuBackend, span: DeviceSpan, block: int) -> None:
+    back = memoryview(bytearray(block))
+    gpu.to_host(back, span)
+    if bytes(back) != payload(0, block):
+        raise SystemExit("the GPU holds other bytes than block 0's payload")
+
+
 def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, batch: int, device: int,
              total: int, repeat: int) -> list[tuple[str, float]]:
     gpu = GpuBackend(support)
-    lib = gpu._lib
-    if support.copier == "cupy":
-        with lib.cuda.Device(device):
-            outs = [lib.empty(block, dtype=lib.uint8) for _ in keys]
-        sync = lib.cuda.Device(device).synchronize
-    else:
-        outs = [lib.empty(block, dtype=lib.uint8, device=f"cuda:{device}") for _ in keys]
-        sync = lambda: lib.cuda.synchronize(device)  # noqa: E731
+    outs, sync = gpu_arrays(gpu, len(keys), block, device)
     spans = [kv.register_buffer(_device_ptr(o), block, f"cuda:{device}") for o in outs]
 
     def check() -> None:
-        back = memoryview(bytearray(block))
-        gpu.to_host(back, spans[0].span)
-        if bytes(back) != payload(0, block):
-            raise SystemExit("the GPU holds other bytes than block 0's payload")
+        check_first(gpu, spans[0].span, block)
 
     rows = []
     if support.gds:
@@ -148,6 +162,28 @@ def gpu_rows(kv: KVClient, support: GpuSupport, keys: list[str], block: int, bat
     return rows
 
 
+def gdr_rows(config: ClusterConfig, support: GpuSupport, keys: list[str], block: int, batch: int, device: int,
+             total: int, repeat: int) -> tuple[list[tuple[str, float]], str]:
+    """GPU reads from the chunk servers (no short-circuit): into registered GPU buffers (GPUDirect RDMA where the
+    links allow) and into unregistered ones (pinned buffer + copy); with the share of bytes that went direct, or
+    why GDR is off here."""
+    gpu = GpuBackend(support)
+    with KVClient(config, "gpu-check", short_circuit=False) as kv:
+        caps = kv.capabilities()
+        if caps["gdr"] is None:
+            return [], caps["gdr_reason"]
+        registered, sync = gpu_arrays(gpu, len(keys), block, device)  # kept: register_buffer holds no reference
+        direct = [kv.register_buffer(_device_ptr(o), block, f"cuda:{device}") for o in registered]
+        plain, _ = gpu_arrays(gpu, len(keys), block, device)
+        before = REGISTRY.get_sample_value("kvfs_kvclient_gdr_bytes_total") or 0.0
+        gdr = rate(total, lambda: (read_all(kv, batches(keys, direct, batch), block), sync()), repeat)
+        share = ((REGISTRY.get_sample_value("kvfs_kvclient_gdr_bytes_total") or 0.0) - before) / (total * repeat)
+        check_first(gpu, direct[0].span, block)
+        staged = rate(total, lambda: (read_all(kv, batches(keys, plain, batch), block), sync()), repeat)
+        check_first(gpu, DeviceSpan(_device_ptr(plain[0]), block, device), block)
+    return [(f"GPU, network, GDR ({share:.0%} direct)", gdr), ("GPU, network, pinned + copy", staged)], ""
+
+
 def _device_ptr(array: Any) -> int:
     return int(array.__cuda_array_interface__["data"][0])
 
@@ -180,6 +216,10 @@ def main() -> None:
                 caps = kv.capabilities()
                 if support.gpu and support.copier is not None:
                     rows += gpu_rows(kv, support, keys, block, args.batch, args.device, total, args.repeat)
+            gdr_off = support.reason or "no GPU support"
+            if support.gpu and support.copier is not None:
+                more, gdr_off = gdr_rows(config, support, keys, block, args.batch, args.device, total, args.repeat)
+                rows += more
             with KVClient(config, "gpu-check", short_circuit=False) as kv:
                 rows.append(("host, network, shared memory", rate(total, lambda: read_all(kv, work, block),
                                                                   args.repeat)))
@@ -190,7 +230,8 @@ def main() -> None:
         finally:
             cluster.down(echo=lambda *a: None)
     print(f"{args.blocks} blocks of {args.block_mib} MiB, batches of {args.batch}, replication 3;"
-          f" gpu={caps['gpu']} gds={caps['gds']} gds_direct={caps['gds_direct']} copier={caps['gpu_copier']}")
+          f" gpu={caps['gpu']} gds={caps['gds']} gds_direct={caps['gds_direct']} copier={caps['gpu_copier']}"
+          f" gdr={caps['gdr']}")
     for name, gbps in rows:
         print(f"  {name:<32} {gbps:8.2f} GB/s")
     if not (support.gpu and support.copier is not None):
@@ -199,6 +240,8 @@ def main() -> None:
         print(f"  GDS rows skipped: {support.reason}")
     elif not support.gds_direct:
         print(f"  note: {support.reason}")
+    if gdr_off:
+        print(f"  GDR rows skipped: {gdr_off}")
 
 
 if __name__ == "__main__":

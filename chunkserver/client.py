@@ -33,6 +33,7 @@ from kvfs.aio import one_error
 from kvfs.errors import ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs.storage import Buffer, LayoutLike
+from kvfs.transport.direct import DirectInto
 from kvfs.wire import Empty
 from kvfs.chunkserver.placement import chunk_chain
 
@@ -213,7 +214,19 @@ class StorageClient:
                 nursery.start_soon(self._bounded, self._read_chunk, ino, layout, index, within, piece)
         return len(into)
 
-    async def _read_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, into: memoryview) -> None:
+    async def read_direct(self, ino: int, layout: LayoutLike, offset: int, target: DirectInto) -> None:
+        """Read ``len(target)`` bytes at ``offset``, within one chunk, into a caller's registered region (GPUDirect
+        RDMA where the connection to the serving replica allows, else into ``target.staging``; see
+        :class:`~kvfs.transport.direct.DirectInto`). Unlike :meth:`read`, a hole past the chunk's end is not
+        zeroed: ``target.filled`` says where the data ends, and the caller, who can reach the region, fills it."""
+        pieces = split_range(offset, len(target), layout.chunk_size)
+        if len(pieces) != 1:
+            raise ValueError(f"a direct read of {len(target)} bytes at {offset} spans {len(pieces)} chunks")
+        index, within, _ = pieces[0]
+        await self._read_chunk(ino, layout, index, within, target)
+
+    async def _read_chunk(self, ino: int, layout: LayoutLike, index: int, within: int,
+                          into: memoryview | DirectInto) -> None:
         async def attempt(n: int) -> None:
             chain = await self._chain(layout, ino, index)
             serving = [t.target_id for t in chain.targets if t.state is TargetState.SERVING]
@@ -229,7 +242,10 @@ class StorageClient:
             if result.errno:
                 raise KvfsError(result.message, result.errno) if result.errno != errno.EBADMSG else ChecksumMismatch(
                     result.message)
-            into[result.length :] = bytes(len(into) - result.length)  # past the chunk's end: a hole
+            if isinstance(into, DirectInto):
+                into.filled = result.length
+            else:
+                into[result.length :] = bytes(len(into) - result.length)  # past the chunk's end: a hole
 
         await self._retrying(f"read of chunk {index} of inode {ino}", attempt)
 

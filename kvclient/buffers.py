@@ -13,6 +13,8 @@ import math
 import re
 from typing import Any
 
+from kvfs.transport.direct import DirectRegion
+
 _DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 
 
@@ -27,12 +29,14 @@ def parse_device(device: str) -> int | None:
 class DeviceSpan:
     """``nbytes`` bytes of GPU memory at ``ptr`` on GPU ``device``; exports ``__cuda_array_interface__`` (flat
     bytes), so KvikIO, cupy and torch take it as an array without knowing who owns the memory. ``owner`` keeps the
-    exporting object alive while the span is used."""
+    exporting object alive while the span is used; ``region``: the registered region it lies in, open for
+    GPUDirect RDMA (None: answers from the network come through a pinned host buffer)."""
 
-    __slots__ = ("ptr", "nbytes", "device", "owner")
+    __slots__ = ("ptr", "nbytes", "device", "owner", "region")
 
-    def __init__(self, ptr: int, nbytes: int, device: int, owner: Any = None) -> None:
-        self.ptr, self.nbytes, self.device, self.owner = ptr, nbytes, device, owner
+    def __init__(self, ptr: int, nbytes: int, device: int, owner: Any = None,
+                 region: DirectRegion | None = None) -> None:
+        self.ptr, self.nbytes, self.device, self.owner, self.region = ptr, nbytes, device, owner, region
 
     def __len__(self) -> int:
         return self.nbytes
@@ -41,7 +45,7 @@ class DeviceSpan:
         start, stop, step = s.indices(self.nbytes)
         if step != 1:
             raise ValueError("device spans are sliced contiguously")
-        return DeviceSpan(self.ptr + start, max(0, stop - start), self.device, self.owner)
+        return DeviceSpan(self.ptr + start, max(0, stop - start), self.device, self.owner, self.region)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

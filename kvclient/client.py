@@ -36,6 +36,8 @@ from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
 from kvfs.kvclient.local import ChunkReader
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
+from kvfs.transport.direct import DirectRegion
+from kvfs.transport.errors import UnregisteredMemory
 
 ROOT_DIR = b"kvcache"
 
@@ -332,6 +334,10 @@ class KVClient:
                         await self._stop.wait()
                         with trio.move_on_after(self._config.timeouts.call), contextlib.suppress(OSError):
                             await upkeep.flush()  # the last reads count for the LRU order too
+                        with trio.move_on_after(self._config.timeouts.call):
+                            for buf in list(self._registered.values()):
+                                if buf.span is not None and buf.span.region is not None:
+                                    await buf.span.region.close()  # no rkey of the caller's memory outlives us
                         nursery.cancel_scope.cancel()
                     rpc.close()
             except BaseException as exc:  # noqa: BLE001 - reported to the constructor
@@ -381,6 +387,7 @@ class KVClient:
         library only on a host with an NVIDIA device."""
         reader = self._core.reader if self._core is not None and not self._closed else None
         gpu = self.gpu_support()
+        gdr, gdr_reason = self._gdr()
         return {
             "transports": ["tcp", *(["shm"] if self._config.resolved_shared_memory() else [])],
             "transport": self._config.resolved_transport(),
@@ -392,7 +399,16 @@ class KVClient:
             "gds": gpu.gds,
             "gds_direct": gpu.gds_direct,
             "gpu_reason": gpu.reason,
+            "gdr": gdr,  # "dmabuf" or "peer-memory": how registered GPU memory is offered to the NIC; None: not
+            "gdr_reason": gdr_reason,
         }
+
+    def _gdr(self) -> tuple[str | None, str]:
+        """How GPU memory registered here is offered to the NIC (``"dmabuf"``/``"peer-memory"``), or None and why."""
+        support = self.gpu_support()
+        if support.gdr is not None and self._config.resolved_transport() == "tcp":
+            return None, "no GPUDirect RDMA: the transport is 'tcp'"
+        return support.gdr, support.gdr_reason or support.reason
 
     def gpu_support(self) -> GpuSupport:
         """What this process can do with GPU memory (probed once)."""
@@ -410,13 +426,32 @@ class KVClient:
 
     def register_buffer(self, ptr: int, size: int, device: str = "cpu") -> RegisteredBuffer:
         """Register memory at a raw address (host memory for ``"cpu"``, GPU memory for ``"cuda"``/``"cuda:N"``);
-        pass the returned object as a value or an output buffer. Bad arguments raise ValueError."""
+        pass the returned object as a value or an output buffer. Bad arguments raise ValueError. GPU memory is
+        also opened for GPUDirect RDMA where ``capabilities()["gdr"]`` says how: reads from remote replicas into it,
+        or into any GPU array inside it, are then RDMA-written there by the chunk servers."""
         buf = RegisteredBuffer(ptr, size, device)
+        if buf.span is not None and self._gdr()[0] is not None:
+            buf.span.region = self._gpu_backend().direct_region(ptr, size)
         self._registered[ptr] = buf
         return buf
 
     def unregister_buffer(self, buf: RegisteredBuffer) -> None:
+        """Forget a registration. A GPU region is deregistered from the NIC once the reads in flight into it end;
+        later reads into it raise UnregisteredMemory (EFAULT) rather than let a server write into freed memory."""
         self._registered.pop(buf.ptr, None)
+        region = None if buf.span is None else buf.span.region
+        if region is not None and not region.closed and not self._closed:  # closing the client closed it
+            self._call(region.close)
+
+    def _region_of(self, span: DeviceSpan) -> DirectRegion | None:
+        """The open GPUDirect RDMA region ``span`` lies in; UnregisteredMemory for one that was unregistered."""
+        region = span.region
+        if region is None:
+            region = next((b.span.region for b in list(self._registered.values()) if b.span is not None
+                           and b.span.region is not None and b.span.region.contains(span.ptr, span.nbytes)), None)
+        if region is not None and region.closed:
+            raise UnregisteredMemory(f"{region!r} was unregistered")
+        return region
 
     def _check_open(self) -> None:
         if self._closed:
@@ -441,6 +476,7 @@ class KVClient:
         buf = as_buffer(out, writable=True)
         if isinstance(buf, DeviceSpan):
             self._gpu_backend()
+            buf = DeviceSpan(buf.ptr, buf.nbytes, buf.device, buf.owner, self._region_of(buf))
         return buf
 
     def put(self, key: str | bytes, value: Any) -> None:

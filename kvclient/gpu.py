@@ -6,18 +6,26 @@ cuFile driver is missing, and ``capabilities()`` says so). Otherwise they land i
 short-circuit ``pread`` or the network read) and are copied to the device with cupy or torch. KvikIO is never the
 CPU fallback: every KvikIO read needs the CUDA driver.
 
+Remote replicas over RDMA can land straight in GPU memory (GPUDirect RDMA) where the destination lies in a buffer
+registered with ``register_buffer(ptr, size, "cuda")`` and the NIC can reach GPU memory: by a dma-buf the CUDA
+driver exports (``cuMemGetHandleForAddressRange``, registered with ``mlx5dv_reg_dmabuf_mr``), else by
+``ibv_reg_mr`` on the device address where ``nvidia-peermem`` is loaded (:func:`choose_gdr`,
+:mod:`kvfs.transport.direct`).
+
 The choice is :func:`choose_read_path`, a pure function of the destination, whether the chunk was located on this
-host, and :class:`GpuSupport`. :func:`probe` imports a GPU library only where an NVIDIA device node exists, so a
-CPU-only process that uses kvclient loads none of them.
+host, whether the destination lies in such a region, and :class:`GpuSupport`. :func:`probe` imports a GPU library
+only where an NVIDIA device node exists, so a CPU-only process that uses kvclient loads none of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import errno
 import glob
 import importlib
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -26,6 +34,7 @@ from typing import Any
 
 from kvfs.errors import KvfsError
 from kvfs.kvclient.buffers import DeviceSpan
+from kvfs.transport.direct import DirectRegion, DmaBuf
 
 
 _MIN_STAGING = 4 << 20
@@ -37,6 +46,11 @@ class ReadPath(enum.Enum):
     LOCAL_GDS = "local-gds"  # KvikIO/cuFile: slot file -> GPU memory
     LOCAL_STAGED = "local-staged"  # pread into a pinned host buffer, then a copy to the GPU
     NETWORK_STAGED = "network-staged"  # chunk server -> pinned host buffer -> GPU
+    NETWORK_GDR = "network-gdr"  # chunk server RDMA-WRITEs into GPU memory (a pinned host buffer on a TCP link)
+
+
+GDR_DMABUF = "dmabuf"
+GDR_PEER_MEMORY = "peer-memory"
 
 
 class GpuUnavailable(KvfsError):
@@ -49,24 +63,105 @@ class GpuUnavailable(KvfsError):
 class GpuSupport:
     """What this process can do with GPU memory. ``copier``: the library that copies between host and device
     ("cupy" or "torch"), None without one; ``gds``: KvikIO is importable; ``gds_direct``: and it reads through
-    the cuFile driver rather than its compatibility mode."""
+    the cuFile driver rather than its compatibility mode; ``gdr``: how GPU memory is registered with the NIC for
+    GPUDirect RDMA (``"dmabuf"`` or ``"peer-memory"``), None where it cannot be, ``gdr_reason`` saying why."""
 
     gpu: bool = False
     copier: str | None = None
     gds: bool = False
     gds_direct: bool = False
     reason: str = ""
+    gdr: str | None = None
+    gdr_reason: str = ""
 
 
-def choose_read_path(to_gpu: bool, located: bool, support: GpuSupport) -> ReadPath:
-    """How one chunk's bytes reach the destination. ``located``: a replica on this host told where they lie."""
+def choose_read_path(to_gpu: bool, located: bool, support: GpuSupport, gdr_region: bool = False) -> ReadPath:
+    """How one chunk's bytes reach the destination. ``located``: a replica on this host told where they lie (local
+    replicas keep GDS or a local read: no network at all beats any). ``gdr_region``: the destination lies in a
+    registered region open for GPUDirect RDMA. NETWORK_GDR still goes through the pinned buffer on a connection
+    without an RDMA link or whose protection domain refused the region (decided per call, in kvfs.rpc)."""
     if not to_gpu:
         return ReadPath.LOCAL_HOST if located else ReadPath.NETWORK_HOST
     if not support.gpu or support.copier is None:  # the GDS path checks CRCs on a copy back, so it needs one too
         raise GpuUnavailable(f"a GPU destination, but {support.reason or 'no GPU support'}")
     if located:
         return ReadPath.LOCAL_GDS if support.gds else ReadPath.LOCAL_STAGED
-    return ReadPath.NETWORK_STAGED
+    return ReadPath.NETWORK_GDR if gdr_region and support.gdr is not None else ReadPath.NETWORK_STAGED
+
+
+def choose_gdr(rdma_reason: str, dmabuf_reason: str, peer_memory: bool) -> tuple[str | None, str]:
+    """How to register GPU memory with the NIC, and why not or why the second choice. Each reason is "" where that
+    part works. dma-buf first: it is the kernel's own mechanism (5.12+) and needs no out-of-tree module."""
+    if rdma_reason:
+        return None, f"no GPUDirect RDMA: this host cannot use RDMA ({rdma_reason})"
+    if not dmabuf_reason:
+        return GDR_DMABUF, ""
+    if peer_memory:
+        return GDR_PEER_MEMORY, f"no dma-buf ({dmabuf_reason}); GPU memory is registered through nvidia-peermem"
+    return None, (f"no GPUDirect RDMA: no dma-buf ({dmabuf_reason}) and no peer-memory client"
+                  " (neither the nvidia_peermem nor the nv_peer_mem module is loaded)")
+
+
+def _peer_memory_loaded() -> bool:
+    return any(os.path.isdir(f"/sys/module/{name}") for name in ("nvidia_peermem", "nv_peer_mem"))
+
+
+class CudaDriver:
+    """The CUDA driver calls dma-buf export needs, through ctypes on ``libcuda.so.1``: neither cupy nor torch binds
+    ``cuMemGetHandleForAddressRange``, and the driver library is there wherever a GPU is usable."""
+
+    DMA_BUF_SUPPORTED = 124  # CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
+    RANGE_HANDLE_DMA_BUF_FD = 1  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+
+    def __init__(self) -> None:
+        self._lib = ctypes.CDLL("libcuda.so.1")
+        self._check(self._lib.cuInit(0), "cuInit")
+
+    @staticmethod
+    def _check(result: int, what: str) -> None:
+        if result:
+            raise GpuUnavailable(f"{what} failed: CUresult {result}", errno.EIO)
+
+    def dmabuf_supported(self, device: int = 0) -> bool:
+        handle, value = ctypes.c_int(), ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        self._check(self._lib.cuDeviceGetAttribute(ctypes.byref(value), self.DMA_BUF_SUPPORTED, handle),
+                    "cuDeviceGetAttribute(DMA_BUF_SUPPORTED)")
+        return bool(value.value)
+
+    def export_dmabuf(self, addr: int, length: int) -> DmaBuf:
+        """A dma-buf fd for the host pages around ``[addr, addr + length)`` (the driver wants page-aligned ranges);
+        the range starts ``offset`` bytes into it. The caller closes the fd."""
+        base = addr - addr % mmap.PAGESIZE
+        end = -(-(addr + length) // mmap.PAGESIZE) * mmap.PAGESIZE
+        fd = ctypes.c_int(-1)
+        self._check(self._lib.cuMemGetHandleForAddressRange(
+            ctypes.byref(fd), ctypes.c_uint64(base), ctypes.c_size_t(end - base),
+            self.RANGE_HANDLE_DMA_BUF_FD, ctypes.c_ulonglong(0)), f"cuMemGetHandleForAddressRange({base:#x}, {end - base})")
+        return DmaBuf(fd.value, addr - base)
+
+
+def _dmabuf_reason() -> str:
+    """"" where the CUDA driver exports dma-bufs of GPU memory and pyverbs can register one by its fd; else why not."""
+    try:
+        importlib.import_module("pyverbs.providers.mlx5.mlx5dv_dmabuf")
+    except Exception as exc:  # noqa: BLE001 - absent, or an rdma-core older than 2024: say which
+        return f"pyverbs cannot register a dma-buf fd (mlx5dv_dmabuf: {type(exc).__name__}: {exc})"
+    try:
+        if not CudaDriver().dmabuf_supported():
+            return "the CUDA driver does not export dma-bufs here (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0)"
+    except (OSError, GpuUnavailable) as exc:
+        return f"libcuda: {exc}"
+    return ""
+
+
+def _probe_gdr() -> tuple[str | None, str]:
+    from kvfs.transport.verbs import detect_rdma
+
+    rdma = detect_rdma()
+    if not rdma.available:
+        return choose_gdr(rdma.reason, "", False)
+    return choose_gdr("", _dmabuf_reason(), _peer_memory_loaded())
 
 
 def _device_nodes() -> list[str]:
@@ -92,15 +187,17 @@ def probe() -> GpuSupport:
             why.append(f"{name}: {type(exc).__name__}: {exc}")
     if copier is None:
         return GpuSupport(gpu=True, reason="neither cupy nor torch can copy to the GPU (" + "; ".join(why) + ")")
+    gdr, gdr_reason = _probe_gdr()
     try:
         kvikio = importlib.import_module("kvikio")
     except Exception as exc:  # noqa: BLE001
         return GpuSupport(True, copier, reason=f"no GPUDirect Storage: kvikio: {type(exc).__name__}: {exc}; reads"
-                                               " into GPU memory go through a pinned host buffer")
+                                               " into GPU memory go through a pinned host buffer",
+                          gdr=gdr, gdr_reason=gdr_reason)
     direct = not _compat_mode(kvikio)
     reason = "" if direct else ("kvikio runs in compatibility mode (no cuFile driver): it reads through its own host"
                                 " bounce buffers")
-    return GpuSupport(True, copier, True, direct, reason)
+    return GpuSupport(True, copier, True, direct, reason, gdr, gdr_reason)
 
 
 def _compat_mode(kvikio: Any) -> bool:
@@ -125,6 +222,19 @@ class GpuBackend:
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._free: list[memoryview] = []  # pinned staging buffers not in use
+        self._driver: CudaDriver | None = None
+
+    def direct_region(self, ptr: int, size: int) -> DirectRegion | None:
+        """GPU memory at ``ptr`` made ready for GPUDirect RDMA (registered with each link's protection domain on
+        first use), or None where this process has no way to register GPU memory with the NIC."""
+        if self.support.gdr is None or not size:
+            return None
+        if self.support.gdr == GDR_PEER_MEMORY:
+            return DirectRegion(ptr, size)
+        with self._lock:
+            if self._driver is None:
+                self._driver = CudaDriver()
+        return DirectRegion(ptr, size, export=self._driver.export_dmabuf)
 
     @contextlib.contextmanager
     def staging(self, nbytes: int) -> Iterator[memoryview]:

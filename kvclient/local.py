@@ -26,11 +26,13 @@ from kvfs.kvclient.buffers import DeviceSpan
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, ReadPath, choose_read_path
 from kvfs.storage import LayoutLike
 from kvfs.transport import shm
+from kvfs.transport.direct import DirectInto
 
 log = logging.getLogger("kvfs.kvclient")
 
 LOCAL_BYTES = Counter("kvfs_kvclient_short_circuit_bytes", "bytes kvclient read from replicas' files on this host")
 GDS_BYTES = Counter("kvfs_kvclient_gds_bytes", "bytes kvclient read from replicas' files straight into GPU memory")
+GDR_BYTES = Counter("kvfs_kvclient_gdr_bytes", "bytes chunk servers RDMA-wrote straight into GPU memory")
 FALLBACKS = Counter("kvfs_kvclient_short_circuit_fallbacks",
                     "chunks located on this host but read over the network instead", ["reason"])
 
@@ -69,7 +71,8 @@ class ChunkReader:
             loc = None
             if self.short_circuit:
                 loc = await self.storage.locate(ino, layout, index, within, len(part), self.boot_id)
-            path = choose_read_path(to_gpu, loc is not None, support)
+            gdr_region = isinstance(part, DeviceSpan) and part.region is not None
+            path = choose_read_path(to_gpu, loc is not None, support, gdr_region)
             if loc is not None:
                 try:
                     await self._read_located(path, loc, within, part)
@@ -81,7 +84,7 @@ class ChunkReader:
                         self.off_reason = exc.message
                     log.warning("short-circuit read of chunk %d of inode %d: %s; reading it over the network",
                                 index, ino, exc.message)
-                    path = choose_read_path(to_gpu, False, support)
+                    path = choose_read_path(to_gpu, False, support, gdr_region)
             offset = index * layout.chunk_size + within
             if path is ReadPath.NETWORK_HOST:
                 assert isinstance(part, memoryview)
@@ -90,8 +93,30 @@ class ChunkReader:
             assert isinstance(part, DeviceSpan)
             gpu = self._gpu()
             with gpu.staging(len(part)) as staging:
-                await self.storage.read(ino, layout, offset, staging)
-                await self._workers.run(lambda: gpu.to_device(part, staging))
+                if path is ReadPath.NETWORK_GDR:
+                    await self._read_direct(ino, layout, offset, part, staging)
+                else:
+                    await self.storage.read(ino, layout, offset, staging)
+                    await self._workers.run(lambda: gpu.to_device(part, staging))
+
+    async def _read_direct(self, ino: int, layout: LayoutLike, offset: int, part: DeviceSpan,
+                           staging: memoryview) -> None:
+        """GPUDirect RDMA: the serving replica's server writes the bytes straight into ``part`` where its connection
+        has an RDMA link that took the region, else they come into ``staging`` and are copied. No CRC is computed
+        here: the server checks every block's CRC32C before it answers, as for any network read, and the fabric's
+        own per-packet CRC (InfiniBand/RoCE ICRC) guards the transfer, as TCP's checksum does the host path."""
+        assert part.region is not None
+        target = DirectInto(part.region, part.ptr - part.region.addr, len(part), staging)
+        await self.storage.read_direct(ino, layout, offset, target)
+        gpu, n = self._gpu(), target.filled
+        if target.written and target.written != n:
+            raise KvfsError(f"chunk server wrote {target.written} bytes into GPU memory for a {n}-byte answer",
+                            errno.EIO)
+        start = n if target.written else 0  # written: only a hole past the chunk's end is left to fill
+        GDR_BYTES.inc(target.written)
+        if start < len(part):
+            staging[n:] = bytes(len(part) - n)
+            await self._workers.run(lambda: gpu.to_device(part[start:], staging[start:]))
 
     async def _read_located(self, path: ReadPath, loc: ChunkLocation, within: int,
                             part: memoryview | DeviceSpan) -> None:

@@ -63,6 +63,7 @@ from kvfs.pool import RECEIVED
 from kvfs.transport import link as rdma
 from kvfs.transport import negotiate, shm
 from kvfs.transport.buffers import Slab
+from kvfs.transport.direct import DirectInto
 from kvfs.transport.errors import BufferExhausted, RdmaError
 from kvfs.transport.handshake import RDMA_CONNECT, RdmaAccept, RdmaOffer
 from kvfs.transport.negotiate import ClientLinks, PeerConnection, TransportChoice
@@ -393,6 +394,7 @@ class _Pending:
     data: memoryview | None = None
     error: BaseException | None = None
     dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
+    direct: DirectInto | None = None  # RDMA: or the caller's registered region, named in the request instead
     offered: int = 0  # RDMA: how many bytes of it were offered
     reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
     reply_offset: int = 0  # its arena offset
@@ -580,13 +582,15 @@ class Connection:
             return
         if header.type is not FrameType.RESPONSE:
             raise ProtocolError(f"server sent a {header.type.name} frame")
-        if pending.dst is None or pending.into is None:
+        if (pending.dst is None and pending.direct is None) or pending.into is None:
             raise ProtocolError("RDMA response to a request that offered no RDMA destination")
         if header.data_len:
             raise ProtocolError("RDMA response also carries a TCP data section")
         body, written = rdma.split_response(body, pending.offered)
         pending.response = wire.decode_body(pending.method.response, body)
-        if written:
+        if pending.direct is not None:
+            pending.direct.written = written  # already where the caller wants it: nothing to copy
+        elif written:
             target = pending.into[:written]
             target[:] = pending.dst.view[:written]  # the WRITE completed before the server sent this frame
             pending.data = target
@@ -626,13 +630,19 @@ class Connection:
         request: msgspec.Struct,
         *,
         data: Buffer | Sequence[Buffer] | None = None,
-        into: memoryview | None = None,
+        into: memoryview | DirectInto | None = None,
         lend: bool = False,
     ) -> tuple[Any, memoryview | None]:
         """Send one request and wait for its answer; the deadline is the caller's cancel scope.
 
         ``lend``: ``data`` stays unchanged until the answer arrives and carries its own checksum, so a server on
-        this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`)."""
+        this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`).
+        ``into`` a :class:`DirectInto`: over an RDMA link the server writes the answer's data straight into the
+        caller's registered region (``into.written`` says so afterwards); otherwise it lands in ``into.staging``."""
+        direct = None
+        if isinstance(into, DirectInto):
+            direct, into = into, into.staging
+            direct.written = 0
         buffers, data_len = self._outgoing(data)
         request_id = next(self._ids)
         body, flags = wire.encode_body(request), wire.Flags.NONE
@@ -642,7 +652,7 @@ class Connection:
         if not shared and (
             planned := self.links.rdma_plan(data_len, None if into is None else len(into))
         ) is not None:
-            answer = await self._call_rdma(*planned, method, body, buffers, data_len, into)
+            answer = await self._call_rdma(*planned, method, body, buffers, data_len, into, direct)
             if answer is not None:
                 return answer
             # no slab free, or the server could not move the data: this call goes over TCP
@@ -684,51 +694,68 @@ class Connection:
         buffers: list[Buffer],
         data_len: int,
         into: memoryview | None,
+        direct: DirectInto | None = None,
     ) -> tuple[Any, memoryview | None] | None:
-        """One call whose data sections move by RDMA; None when it must be sent over TCP instead."""
-        held: list[Slab] = []
-        src = dst = None
-        dst_slab = None
-        try:
-            if plan.send:
-                slab, src = link.stage(buffers, data_len)
-                held.append(slab)
-        except BufferExhausted:
-            pass
-        try:
-            if plan.receive:
-                assert into is not None
-                dst_slab, dst = link.reserve(len(into))
-                held.append(dst_slab)
-        except BufferExhausted:
-            pass
-        if src is None and dst is None:
+        """One call whose data sections move by RDMA; None when it must be sent over TCP instead. ``direct``: the
+        answer's data may be written into the caller's region, where this link's domain registered it."""
+        with contextlib.nullcontext() if direct is None else direct.region.hold():
+            held: list[Slab] = []
+            src = dst = None
+            dst_slab = None
+            if direct is not None and plan.receive:
+                dst = link.direct(direct)
+            if dst is None:
+                direct = None  # the answer goes to a slab, or over TCP, and from there into ``into`` (its staging)
+            try:
+                if plan.send:
+                    slab, src = link.stage(buffers, data_len)
+                    held.append(slab)
+            except BufferExhausted:
+                pass
+            try:
+                if plan.receive and dst is None:
+                    assert into is not None
+                    dst_slab, dst = link.reserve(len(into))
+                    held.append(dst_slab)
+            except BufferExhausted:
+                pass
+            if src is None and dst is None:
+                return None
+            tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
+            request_id = next(self._ids)
+            body += rdma.encode_request_trailer(src, dst)
+            frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA)
+            pending = _Pending(method, into, dst=dst_slab, direct=direct, offered=0 if dst is None else dst.length)
+            self._pending[request_id] = pending
+            self._held[request_id] = held
+            sent = False
+            try:
+                await self._writer.put([frame, *tcp_buffers])
+                sent = True
+                await pending.done.wait()
+            finally:
+                given_up = self._pending.pop(request_id, None) is not None
+                if not sent:  # the server never saw the descriptors
+                    self._release_held(request_id)
+                # else: released when the answer arrives (late or not) or the connection closes
+                elif direct is not None and (given_up or self._closed is not None):
+                    self._abandon_direct(link, method)
+            error = pending.error
+            if error is None:
+                return pending.response, pending.data
+            if not isinstance(error, _RdmaNotMoved):
+                raise error
+            if error.errno not in rdma.TRANSIENT_ERRNOS:
+                self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
             return None
-        tcp_buffers, tcp_len = ([], 0) if src is not None else (buffers, data_len)
-        request_id = next(self._ids)
-        body += rdma.encode_request_trailer(src, dst)
-        frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, tcp_len, wire.Flags.RDMA)
-        pending = _Pending(method, into, dst=dst_slab, offered=0 if dst is None else dst.length)
-        self._pending[request_id] = pending
-        self._held[request_id] = held
-        sent = False
-        try:
-            await self._writer.put([frame, *tcp_buffers])
-            sent = True
-            await pending.done.wait()
-        finally:
-            self._pending.pop(request_id, None)
-            if not sent:  # the server never saw the descriptors
-                self._release_held(request_id)
-            # else: released when the answer arrives (late or not) or the connection closes
-        error = pending.error
-        if error is None:
-            return pending.response, pending.data
-        if not isinstance(error, _RdmaNotMoved):
-            raise error
-        if error.errno not in rdma.TRANSIENT_ERRNOS:
-            self._rdma_failed(link, f"{self.address} could not RDMA-READ a request's data: {error.message}")
-        return None
+
+    def _abandon_direct(self, link: rdma.RdmaLink, method: Method) -> None:
+        """A call that named the caller's own region ended without its answer (given up, or its connection lost):
+        the server could still WRITE into memory the caller is about to reuse or retry into. Destroying the queue
+        pair now, before this returns to the caller, makes that impossible (the queue pair would otherwise go only
+        when the connection's tasks finish); the connection goes with it and the next call connects afresh."""
+        link.fail(f"a {method.name} call naming a caller's registered region ended without its answer")
+        self.close()
 
     def _rdma_failed(self, link: rdma.RdmaLink, reason: str) -> None:
         """Leave RDMA for this connection (auto), or close it and fail the call (forced ``rdma``)."""
@@ -872,7 +899,7 @@ class RpcClient(TransportChoice):
         request: msgspec.Struct,
         *,
         data: Buffer | Sequence[Buffer] | None = None,
-        into: memoryview | None = None,
+        into: memoryview | DirectInto | None = None,
         timeout: float | None = None,
         lend: bool = False,
     ) -> tuple[Any, memoryview | None]:

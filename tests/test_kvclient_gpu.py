@@ -3,10 +3,12 @@ imports, and how values and buffers are classified as host or GPU memory. Runs w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -14,7 +16,9 @@ from hypothesis import strategies as st
 
 from kvfs.kvclient import gpu
 from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer, parse_device
+from kvfs.errors import KvfsError
 from kvfs.kvclient.gpu import GpuSupport, GpuUnavailable, ReadPath, choose_read_path
+from kvfs.transport.direct import DirectInto, DirectRegion
 
 P = ReadPath
 NONE = GpuSupport(reason="no NVIDIA GPU on this host")
@@ -22,6 +26,8 @@ NO_COPIER = GpuSupport(gpu=True, reason="neither cupy nor torch")
 STAGED = GpuSupport(gpu=True, copier="torch", reason="no kvikio")
 GDS = GpuSupport(gpu=True, copier="cupy", gds=True, gds_direct=True)
 GDS_COMPAT = GpuSupport(gpu=True, copier="cupy", gds=True, gds_direct=False, reason="compatibility mode")
+GDR = GpuSupport(gpu=True, copier="torch", gdr="dmabuf", reason="no kvikio")
+GDS_GDR = GpuSupport(gpu=True, copier="cupy", gds=True, gds_direct=True, gdr="peer-memory")
 
 
 @pytest.mark.parametrize(("to_gpu", "located", "support", "path"), [
@@ -36,6 +42,76 @@ GDS_COMPAT = GpuSupport(gpu=True, copier="cupy", gds=True, gds_direct=False, rea
 ])
 def test_read_path_choice(to_gpu: bool, located: bool, support: GpuSupport, path: ReadPath) -> None:
     assert choose_read_path(to_gpu, located, support) is path
+
+
+@pytest.mark.parametrize(("to_gpu", "located", "support", "gdr_region", "path"), [
+    (True, False, GDR, True, P.NETWORK_GDR),  # remote replica, registered region, GDR here: straight in
+    (True, False, GDS_GDR, True, P.NETWORK_GDR),
+    (True, False, GDR, False, P.NETWORK_STAGED),  # a GPU array outside every registered region
+    (True, False, STAGED, True, P.NETWORK_STAGED),  # a registered region, but no way to register GPU memory
+    (True, True, GDS_GDR, True, P.LOCAL_GDS),  # a replica on this host keeps GDS: no network at all
+    (True, True, GDR, True, P.LOCAL_STAGED),
+    (False, False, GDR, True, P.NETWORK_HOST),  # host destinations never touch the GPU paths
+    (False, True, GDR, True, P.LOCAL_HOST),
+])
+def test_gdr_read_path_choice(to_gpu: bool, located: bool, support: GpuSupport, gdr_region: bool,
+                              path: ReadPath) -> None:
+    assert choose_read_path(to_gpu, located, support, gdr_region) is path
+
+
+def test_gdr_region_without_gpu_support_is_still_a_clear_error() -> None:
+    with pytest.raises(GpuUnavailable):
+        choose_read_path(True, False, NONE, True)
+
+
+@pytest.mark.parametrize(("rdma", "dmabuf", "peer", "mode", "says"), [
+    ("", "", True, "dmabuf", ""),  # dma-buf preferred even where peer memory is there too
+    ("", "", False, "dmabuf", ""),
+    ("", "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0", True, "peer-memory", "through nvidia-peermem"),
+    ("", "mlx5dv_dmabuf: ModuleNotFoundError", False, None, "nvidia_peermem"),
+    ("no RDMA devices found", "", True, None, "no RDMA devices found"),
+])
+def test_choose_gdr(rdma: str, dmabuf: str, peer: bool, mode: str | None, says: str) -> None:
+    got, reason = gpu.choose_gdr(rdma, dmabuf, peer)
+    assert got == mode and says in reason
+    if mode is None:
+        assert reason.startswith("no GPUDirect RDMA")
+    if dmabuf and mode is None:
+        assert dmabuf in reason
+
+
+class _FakeLibcuda:
+    """The libcuda entry points CudaDriver calls, answering as a driver would (by ctypes byref)."""
+
+    def __init__(self, dmabuf_supported: int = 1, result: int = 0) -> None:
+        self.supported, self.result, self.exports = dmabuf_supported, result, []
+
+    def cuInit(self, flags): return 0  # noqa: E704,N802
+    def cuDeviceGet(self, out, ordinal): return 0  # noqa: E704,N802
+
+    def cuDeviceGetAttribute(self, out, attribute, device):  # noqa: N802
+        assert attribute == 124
+        out._obj.value = self.supported
+        return 0
+
+    def cuMemGetHandleForAddressRange(self, out, base, size, kind, flags):  # noqa: N802
+        self.exports.append((base.value, size.value, kind))
+        out._obj.value = 42
+        return self.result
+
+
+def test_cuda_driver_exports_page_aligned_dmabufs(monkeypatch) -> None:
+    fake = _FakeLibcuda()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    driver = gpu.CudaDriver()
+    assert driver.dmabuf_supported()
+    got = driver.export_dmabuf(0x7000_0000_1010, 8192)
+    assert got == gpu.DmaBuf(42, 0x10) and fake.exports == [(0x7000_0000_1000, 12288, 1)]
+    fake.result = 1  # CUDA_ERROR_INVALID_VALUE: the range is not one allocation
+    with pytest.raises(GpuUnavailable, match="cuMemGetHandleForAddressRange.*CUresult 1"):
+        driver.export_dmabuf(0x7000_0000_0000, 4096)
+    fake.supported = 0
+    assert not driver.dmabuf_supported()
 
 
 @pytest.mark.parametrize("support", [NONE, NO_COPIER])
@@ -130,3 +206,74 @@ def test_device_span_slices_like_bytes(n: int, start: int, stop: int) -> None:
     if len(expected):
         assert piece.ptr == 0x1000 + expected[0]
     assert piece.__cuda_array_interface__["shape"] == (len(expected),)
+
+
+class HostAsGpu:
+    """A GPU backend whose "GPU memory" is host memory, so kvclient's GPU read paths run on a CPU up to the device
+    copy (a memmove here). Regions open for GPUDirect RDMA as peer memory."""
+
+    support = GpuSupport(gpu=True, copier="torch", gdr="peer-memory")
+
+    def __init__(self) -> None:
+        self.copied = 0
+
+    @contextlib.contextmanager
+    def staging(self, nbytes: int) -> Iterator[memoryview]:
+        yield memoryview(bytearray(nbytes))
+
+    def to_device(self, dst: DeviceSpan, src: memoryview) -> None:
+        ctypes.memmove(dst.ptr, bytes(src), len(src))
+        self.copied += len(src)
+
+    def direct_region(self, ptr: int, size: int) -> DirectRegion:
+        return DirectRegion(ptr, size)
+
+    def close(self) -> None:
+        pass
+
+
+class _DirectStorage:
+    """StorageClient.read_direct as each way of answering leaves the target: straight into the region (as an RDMA
+    WRITE would), or into the staging buffer (a TCP link); ``have`` bytes of data, the rest of the range a hole."""
+
+    def __init__(self, data: bytes, have: int, direct: bool, written: int | None = None) -> None:
+        self.data, self.have, self.direct, self.written = data, have, direct, written
+
+    async def read_direct(self, ino, layout, offset: int, target: DirectInto) -> None:
+        chunk = self.data[offset : offset + self.have]
+        if self.direct:
+            ctypes.memmove(target.region.addr + target.offset, chunk, len(chunk))
+            target.written = len(chunk) if self.written is None else self.written
+        else:
+            target.staging[: len(chunk)] = chunk
+        target.filled = len(chunk)
+
+
+@pytest.mark.parametrize(("direct", "have"), [(True, 4096), (True, 1000), (True, 0), (False, 4096), (False, 1000)])
+async def test_gdr_read_fills_the_gpu_range_whichever_way_the_answer_came(direct: bool, have: int) -> None:
+    from kvfs.kvclient.local import ChunkReader
+
+    data = bytes(range(256)) * 16
+    raw = (ctypes.c_char * 8192)(*([b"\xee"] * 8192))  # stale bytes: a hole must come out as zeros
+    region = DirectRegion(ctypes.addressof(raw), 8192)
+    backend = HostAsGpu()
+    reader = ChunkReader(_DirectStorage(data, have, direct), short_circuit=False,  # type: ignore[arg-type]
+                         gpu_support=lambda: backend.support, gpu=lambda: backend)  # type: ignore[arg-type,return-value]
+    part = DeviceSpan(region.addr + 4096, 4096, 0, region=region)
+    with backend.staging(4096) as staging:
+        await reader._read_direct(1, None, 0, part, staging)  # type: ignore[arg-type]
+    assert raw.raw[4096:] == data[:have] + bytes(4096 - have) and raw.raw[:4096] == b"\xee" * 4096
+    assert backend.copied == (4096 - have if direct else 4096)  # a direct answer copies only the hole
+
+
+async def test_gdr_read_refuses_a_write_that_disagrees_with_the_answer() -> None:
+    from kvfs.kvclient.local import ChunkReader
+
+    raw = (ctypes.c_char * 4096)()
+    region = DirectRegion(ctypes.addressof(raw), 4096)
+    backend = HostAsGpu()
+    reader = ChunkReader(_DirectStorage(bytes(4096), 4096, True, written=100), short_circuit=False,  # type: ignore
+                         gpu_support=lambda: backend.support, gpu=lambda: backend)  # type: ignore
+    with pytest.raises(KvfsError) as e, backend.staging(4096) as staging:
+        await reader._read_direct(1, None, 0, DeviceSpan(region.addr, 4096, 0, region=region), staging)  # type: ignore
+    assert e.value.errno == errno.EIO

@@ -202,3 +202,32 @@ def test_torch_tensors(kv) -> None:
     kv.put("t", t)
     back = torch.empty_like(t)
     assert kv.get_into("t", back) == t.numel() * 4 and torch.equal(t, back)
+
+
+def test_a_gdr_region_without_an_rdma_link_reads_through_the_pinned_buffer(kvfs_cluster) -> None:
+    """The whole NETWORK_GDR path on a CPU: a registered "GPU" region (host memory behind a fake backend) read from
+    real chunk servers over TCP, so every chunk comes through the staging buffer; then unregistered, after which a
+    read into it is refused before anything is sent."""
+    from test_kvclient_gpu import HostAsGpu
+
+    ns = f"gdr-{os.getpid()}"
+    with KVClient.from_config(kvfs_cluster.data / "client.toml", ns, short_circuit=False) as kv:
+        backend = HostAsGpu()
+        kv._gpu_support, kv._gpu = backend.support, backend  # type: ignore[assignment]
+        data = random.Random(7).randbytes(3 * MIB + 5)
+        kv.put("blob", data)
+        raw = (ctypes.c_char * (8 * MIB))()
+        reg = kv.register_buffer(ctypes.addressof(raw), len(raw), "cuda")
+        assert reg.span is not None and reg.span.region is not None and kv.capabilities()["gdr"] == "peer-memory"
+        gdr_bytes = metric("kvfs_kvclient_gdr_bytes_total")
+        assert kv.get_into("blob", reg) == len(data) and raw.raw[: len(data)] == data
+        inside = reg.span[MIB : MIB + len(data)]  # a GPU array within the region finds it
+        inside.region = None
+        assert kv.batch_get_into(["blob"], [inside]) == [len(data)] and raw.raw[MIB : MIB + len(data)] == data
+        assert backend.copied == 2 * len(data) and metric("kvfs_kvclient_gdr_bytes_total") == gdr_bytes
+        kv.unregister_buffer(reg)
+        raw[:] = bytes(len(raw))
+        with pytest.raises(OSError) as e:
+            kv.get_into("blob", reg)
+        assert e.value.errno == errno.EFAULT and raw.raw == bytes(len(raw))
+        assert kv.batch_get_into(["blob"], [inside]) == [len(data)]  # outside every region now: staged, no GDR

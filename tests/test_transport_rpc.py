@@ -69,8 +69,16 @@ def pattern(n: int, seed: int = 0) -> bytes:
 
 
 class FakeMR:
-    def __init__(self, rkey: int) -> None:
+    def __init__(self, rkey: int, fabric: Fabric | None = None) -> None:
         self.lkey = self.rkey = rkey
+        self.fabric = fabric
+        self.closed = False
+
+    def close(self) -> None:
+        """Deregistered: the rkey stops working, as ibv_dereg_mr makes it."""
+        self.closed = True
+        if self.fabric is not None:
+            self.fabric.regions.pop(self.rkey, None)
 
 
 class Fabric:
@@ -83,6 +91,7 @@ class Fabric:
         self.qp_nums = itertools.count(1)
         self.bytes_read = 0
         self.bytes_written = 0
+        self.writes: list[RemoteBuffer] = []  # every RDMA WRITE's destination, as the NIC was told it
 
     def registrar(self, owner: object):
         def register(view: memoryview, addr: int) -> FakeMR:
@@ -106,6 +115,7 @@ class FakeEndpoint:
         self.factory = factory
         self.fabric = factory.fabric
         self.pool = factory.pool
+        self.domain = factory  # one protection domain per factory, as VerbsFactory has one per process
         self.qp_num = next(self.fabric.qp_nums)
         self.fabric.endpoints[self.qp_num] = self
         self.peer: FakeEndpoint | None = None
@@ -136,6 +146,7 @@ class FakeEndpoint:
         else:
             ctypes.memmove(remote.addr, here, n)
             self.fabric.bytes_written += n
+            self.fabric.writes.append(remote)
         return n
 
     async def read(self, into: memoryview, remote: RemoteBuffer) -> int:
@@ -159,7 +170,18 @@ class FakeFactory:
         self.fail_new: str | None = None
         self.fail_connect: str | None = None
         self.fail_io: BaseException | None = None
+        self.fail_direct: str | None = None
         self.endpoints: list[FakeEndpoint] = []
+        self.direct: list[tuple[int, int, object]] = []  # GPU-memory registrations asked for: (addr, length, dmabuf)
+
+    def register_direct(self, addr: int, length: int, dmabuf: object) -> FakeMR:
+        """The protection domain's registration of a caller's GPU memory (here: host memory standing in for it)."""
+        self.direct.append((addr, length, dmabuf))
+        if self.fail_direct:
+            raise RdmaError(f"ibv_reg_mr: {self.fail_direct}", errno.EFAULT)
+        rkey = next(self.fabric.rkeys)
+        self.fabric.regions[rkey] = (addr, length, self)
+        return FakeMR(rkey, self.fabric)
 
     def detect(self) -> RdmaAvailability:
         return self.availability

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from kvfs.errors import KvfsError, ProtocolError
 from kvfs.transport.buffers import BufferPool, RemoteBuffer, Slab
+from kvfs.transport.direct import DirectDomain, DirectInto
 from kvfs.transport.errors import BufferExhausted, RdmaUnavailable
 from kvfs.transport.handshake import RdmaOffer
 from kvfs.transport.select import RdmaAvailability, TransportMode
@@ -169,6 +170,8 @@ class Endpoint(Protocol):
     """One connection's local RDMA end: a queue pair and the process's registered buffer pool."""
 
     pool: BufferPool
+    #: the protection domain, for registering callers' GPU memory (:mod:`kvfs.transport.direct`)
+    domain: DirectDomain
 
     def offer(self) -> RdmaOffer: ...
 
@@ -198,6 +201,7 @@ class VerbsEndpoint:
         from kvfs.transport import verbs
 
         self.pool = pool
+        self.domain = device
         self._qp = verbs.RdmaQueuePair(device)
         self._io = verbs.RdmaEndpoint(self._qp, pool)
 
@@ -319,6 +323,11 @@ class RdmaLink:
         slab = self.pool.acquire()
         _copy_into(slab.view, parts)
         return slab, slab.remote(0, length)
+
+    def direct(self, target: DirectInto) -> RemoteBuffer | None:
+        """The descriptor of a caller's registered region for the server to RDMA-WRITE an answer straight into, or
+        None when the answer goes to a slab instead (this domain could not register the region)."""
+        return target.region.remote(self.endpoint.domain, target.offset, target.length)
 
     def reserve(self, into_len: int) -> tuple[Slab, RemoteBuffer]:
         """A slab the server may RDMA-WRITE a response's data section into."""

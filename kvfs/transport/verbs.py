@@ -31,6 +31,7 @@ import trio
 
 from kvfs.errors import ConnectionLost, KvfsError, RpcTimeout
 from kvfs.transport.buffers import MAX_RDMA_MESSAGE, BufferPool, LocalSge, RemoteBuffer
+from kvfs.transport.direct import DmaBuf
 from kvfs.transport.errors import RdmaError, RdmaUnavailable
 from kvfs.transport.handshake import RdmaOffer, negotiated_mtu
 from kvfs.transport.select import ActivePort, RdmaAvailability
@@ -354,6 +355,23 @@ class RdmaDevice:
             return self.pv.mr.MR(self.pd, view.nbytes, access_flags(self.pv), address=addr)
         except Exception as exc:
             raise verbs_error(exc, f"registering {view.nbytes} bytes with {self.name}") from None
+
+    def register_direct(self, addr: int, length: int, dmabuf: DmaBuf | None) -> Any:
+        """An MR over a caller's GPU memory (GPUDirect RDMA; :mod:`kvfs.transport.direct`). With a dma-buf:
+        ``mlx5dv_reg_dmabuf_mr`` (pyverbs' generic ``DmaBufMR`` only takes buffers it allocates itself, so the
+        mlx5 provider's class is the one that takes a CUDA-exported fd), its iova the GPU address so descriptors
+        name GPU addresses as they do host ones. Without one: ``ibv_reg_mr`` on the device address, which the
+        kernel resolves only through a peer-memory client (``nvidia-peermem``); elsewhere it fails with EFAULT."""
+        access = access_flags(self.pv)
+        try:
+            if dmabuf is None:
+                return self.pv.mr.MR(self.pd, length, access, address=addr)
+            from pyverbs.providers.mlx5.mlx5dv_dmabuf import Mlx5DmaBufMR
+
+            return Mlx5DmaBufMR(self.pd, dmabuf.offset, length, iova=addr, fd=dmabuf.fd, access=access)
+        except Exception as exc:
+            how = "peer memory" if dmabuf is None else "a dma-buf"
+            raise verbs_error(exc, f"registering {length} bytes of GPU memory as {how} with {self.name}") from None
 
     def buffer_pool(self, **kwargs: Any) -> BufferPool:
         return BufferPool(self.register, **kwargs)
