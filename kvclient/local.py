@@ -12,6 +12,7 @@ each chunk goes is :func:`kvfs.kvclient.gpu.choose_read_path`.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from kvfs.aio import Workers, one_error
 from kvfs.chunkserver.client import StorageClient, split_range
 from kvfs.chunkserver.protocol import ChunkLocation
 from kvfs.chunkserver.shortcircuit import LocalReadFailed, ReplicaFiles
+from kvfs.errors import KvfsError
 from kvfs.kvclient.buffers import DeviceSpan
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, ReadPath, choose_read_path
 from kvfs.storage import LayoutLike
