@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 import trio
 from crc32c import crc32c
 
