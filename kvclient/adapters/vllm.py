@@ -224,7 +224,8 @@ class KvfsKVConnector(KVConnectorBase_V1):
         self._entry_size = sum(t[0].numel() * t.element_size() for t in self._layers)
         self._rank_suffix = self._suffix(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
 
-    def _names(self, transfer: BlockTransfer) -> list[str]:
+    def entry_names(self, transfer: BlockTransfer) -> list[str]:
+        """This rank's kvfs keys for the blocks of ``transfer``."""
         return [h + self._rank_suffix for h in transfer.hashes]
 
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
@@ -254,14 +255,15 @@ class KvfsKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvfsConnectorMetadata)
         if not meta.loads:
             return
-        names = [n for t in meta.loads for n in self._names(t)]
+        names = [n for t in meta.loads for n in self.entry_names(t)]
         block_ids = [b for t in meta.loads for b in t.block_ids]
         rows = torch.empty((len(names), self._entry_size), dtype=torch.uint8)
         try:
             results = self.kv.batch_get_into(names, list(rows))
         except (OSError, ValueError) as e:
             logger.error("kvfs load of %d blocks failed: %s", len(names), e)
-            results = [-(getattr(e, "errno", None) or errno.EIO)] * len(names)
+            self._load_errors.update(block_ids)
+            return
         good = [i for i, r in enumerate(results) if r == self._entry_size]
         for i, r in enumerate(results):
             if r != self._entry_size:
@@ -285,7 +287,7 @@ class KvfsKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvfsConnectorMetadata)
         if not meta.saves or (self.mla and get_tensor_model_parallel_rank() != 0):
             return
-        names = [n for t in meta.saves for n in self._names(t)]
+        names = [n for t in meta.saves for n in self.entry_names(t)]
         rows = self._gather([b for t in meta.saves for b in t.block_ids])
         try:
             results = self.kv.batch_put(names, list(rows))
