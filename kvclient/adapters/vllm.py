@@ -144,15 +144,16 @@ class KvfsKVConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """The tokens past ``num_computed_tokens`` whose blocks kvfs holds for every rank, counted in one
-        metadata round trip; a failed lookup is a miss."""
+        metadata round trip; a failed lookup is a miss. A ``kv_producer`` loads nothing, so it finds nothing."""
         hashes = self._hashes(request)
         suffixes = [self._suffix(tp, pp) for tp in range(1 if self.mla else self.tp_size)
                     for pp in range(self.pp_size)]
+        hits = 0
         try:
-            hits = self.kv.prefix_hits([h + s for h in hashes for s in suffixes]) // len(suffixes)
+            if self._kv_transfer_config.is_kv_consumer:
+                hits = self.kv.prefix_hits([h + s for h in hashes for s in suffixes]) // len(suffixes)
         except (OSError, ValueError) as e:
             logger.error("kvfs lookup for request %s failed: %s", request.request_id, e)
-            hits = 0
         self._requests[request.request_id] = _Tracked(hashes, len(request.prompt_token_ids or ()),
                                                       num_computed_tokens // self.block_size, stored=hits)
         new = max(0, hits * self.block_size - num_computed_tokens)
@@ -164,7 +165,7 @@ class KvfsKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Notes the blocks to load into: after the local prefix-cache hits, those of the external tokens."""
         tracked = self._requests.get(request.request_id)
-        if tracked is None or num_external_tokens <= 0 or not self._kv_transfer_config.is_kv_consumer:
+        if tracked is None or num_external_tokens <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
         start = tracked.local

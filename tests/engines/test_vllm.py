@@ -262,6 +262,8 @@ def test_roles_decide_who_saves_and_who_loads(engines, ns) -> None:
     consumer = engines(role="kv_consumer")
     external, meta = consumer.schedule(request("b", PROMPT), [4, 5, 6, 7])
     assert external == 3 * BLOCK and meta.loads and not meta.saves
+    external, meta = producer.schedule(request("c", PROMPT), [8, 9, 10, 11])
+    assert external == 0 and not meta.loads  # a producer never loads, so it must not claim the tokens
 
 
 @pytest.mark.parametrize("extra", [{"namespace": "x"}, {"config": "/nonexistent.toml"}])
