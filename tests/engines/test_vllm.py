@@ -151,19 +151,25 @@ class Engine:
         blocks = KVCacheBlocks(([KVCacheBlock(b) for b in block_ids],))
         self.scheduler.update_state_after_alloc(request, blocks, external)
         computed = local_tokens + external
+        new = NewRequestData.from_request(request, (block_ids,))
+        new.num_computed_tokens = computed
+        meta = self.step(request.request_id, request.num_prompt_tokens - computed, new=new)
+        return external, meta
+
+    def step(self, req_id: str, tokens: int, *, new: NewRequestData | None = None,
+             cached: CachedRequestData | None = None) -> object:
+        """One step's metadata from the scheduler side, run by the worker side."""
         output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(request, (block_ids,))],
-            scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens={request.request_id: request.num_prompt_tokens - computed},
-            total_num_scheduled_tokens=request.num_prompt_tokens - computed, scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
-        output.scheduled_new_reqs[0].num_computed_tokens = computed
+            scheduled_new_reqs=[new] if new is not None else [],
+            scheduled_cached_reqs=cached or CachedRequestData.make_empty(), num_scheduled_tokens={req_id: tokens},
+            total_num_scheduled_tokens=tokens, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[])
         meta = self.scheduler.build_connector_meta(output)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
-        return external, meta
+        return meta
 
     def block(self, block_id: int) -> list[torch.Tensor]:
         return [self.caches[name][block_id].clone() for name in LAYERS]
@@ -212,6 +218,21 @@ def test_blocks_saved_by_one_engine_load_into_another(engines, kvfs_cluster, ns)
         assert all(torch.equal(a, b) for a, b in zip(two.block(mine), one.block(theirs)))
     assert not two.worker.get_block_ids_with_load_errors()
     assert len(list((kvfs_cluster.mount / "kvcache" / ns).iterdir())) == 4
+
+
+def test_a_chunked_prefill_saves_each_block_once_it_is_complete(engines) -> None:
+    """A prompt computed over two steps, its second step's blocks appended as vLLM's cached-request data gives
+    them: each block is saved in the step that completes it."""
+    one = engines()
+    prompt = request("a", PROMPT)
+    assert one.scheduler.get_num_new_matched_tokens(prompt, 0) == (0, False)
+    one.scheduler.update_state_after_alloc(prompt, KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6)],)), 0)
+    meta = one.step("a", 40, new=NewRequestData.from_request(prompt, ([5, 6],)))
+    assert [t.block_ids for t in meta.saves] == [[5]]
+    cached = CachedRequestData(req_ids=["a"], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+                               new_block_ids=[([7, 8],)], num_computed_tokens=[40], num_output_tokens=[0])
+    meta = one.step("a", 60, cached=cached)
+    assert [t.block_ids for t in meta.saves] == [[6, 7]]  # the block of the last prompt token is not saved
 
 
 def test_local_hits_are_not_loaded_again(engines) -> None:
