@@ -130,7 +130,7 @@ async def test_unregistering_waits_for_the_calls_in_flight(nursery, fabric):
         await gate.wait()
         return Resp("slow", 0), pattern(req.want, seed=3)
 
-    method = Method(9111, "test.gdr_slow", Req, Resp, idempotent=True)
+    method = Method(9121, "test.gdr_slow", Req, Resp, idempotent=True)
     server.register(method, slow)
     mem = Memory()
     closed = trio.Event()
@@ -164,7 +164,7 @@ async def test_a_given_up_call_destroys_the_queue_pair_before_returning(nursery,
         await gate.wait()
         return Resp("late", 0), pattern(req.want, seed=3)
 
-    method = Method(9112, "test.gdr_stuck", Req, Resp)
+    method = Method(9122, "test.gdr_stuck", Req, Resp)
     server.register(method, stuck)
     mem = Memory()
     async with RpcClient(TOKEN, rdma_factory=cf, retries=0) as client:
