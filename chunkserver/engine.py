@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 The replication layer (CRAQ) decides versions; this module only keeps them safe. Every chunk has a
 *committed* version (version 0 = empty, when nothing was ever committed) and at most one *pending*
-version. Writes are copy-on-write: a pending version is a complete new copy of the chunk, written
-into a free *slot* beside the committed one, and ``commit`` only flips metadata.
+version. Writes are copy-on-write: a pending version is written into free *slots* beside the committed one
+(a whole new copy, or only the blocks it changes: "Block-level copy-on-write" below), and ``commit`` only
+flips metadata.
 
 On-disk format (under ``root``)::
 
@@ -16,12 +17,29 @@ On-disk format (under ``root``)::
     data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
 
-A version of length L lives in one slot of the smallest class >= max(L, 64 KiB) (of a larger one where that
-class has no free slot and its file may not grow). Slot files are preallocated with ``posix_fallocate`` and slots
-are reused, so a write never creates a file; they grow only while the file system keeps a reserve free. Table
-``versions`` has one row per committed or pending version: (inode, idx, pending, version, length, crc,
-block_crcs, cls, slot). The free list is *not* stored: at open every slot not named by a row is free, so a
-crash can leak nothing.
+A version of length L has a *base*: one slot of the smallest class >= max(L, 64 KiB) (of a larger one where
+that class has no free slot and its file may not grow), and may have *overrides*: blocks kept in slots of their
+own in ``data/16.dat``. Slot files are preallocated with ``posix_fallocate`` and slots are reused, so a write
+never creates a file; they grow only while the file system keeps a reserve free. Table ``versions`` has one
+row per committed or pending version: (inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux,
+overrides). The free list is *not* stored, nor are the counts of rows that share a slot: at open every slot
+not named by a row is free and every named one counts its rows, so a crash can leak nothing.
+
+Block-level copy-on-write
+-------------------------
+A whole-chunk write (and a write that changes the version's size class) makes a fresh base. A partial write
+instead names the committed version's base and overrides and writes only the blocks it touches, each into a
+fresh 64 KiB block slot (a block it covers partly is read, checked, overlaid and written whole): its cost is
+its bytes rounded out to blocks plus one row. Block ``b`` of a version is its override if it has one, else
+block ``b`` of its base; the row's block CRCs cover both, so reads check every block as before. A block slot,
+like a base, is written only while no row names it, and the versions it came from stay untouched, so the
+crash-safety argument below holds unchanged. A slot shared by several rows is freed when the last of them is
+dropped, under the same rule as before (reused only once that drop is durable, unless no flush covered any of
+the dropped rows that named it). When a write would leave a version with more overrides than a quarter of its
+blocks (or ``MAX_OVERRIDES``), it writes a fresh base instead (compaction: one chunk copy, paid for by the
+writes that made the overrides), so a chunk's live slots stay within 1.25x its length. A version with
+overrides lies in several places, so a loan of it is a copy through the page cache and a short-circuit
+location is refused (the reader reads over the network).
 
 Checksums: one CRC32C per 64 KiB block (``BLOCK``), stored as a little array in the row, so a
 range read verifies only the blocks it touches. 64 KiB rather than 4 KiB because the block list
@@ -88,7 +106,8 @@ a file written in order) is not written at all at first: the engine keeps the re
 until a flush writes it out. If the chunk is written again before that, the new version's commit frees the old
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
 flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
-copy per flush instead of one per write. Anything that reads a held version's slot (a read, a loan, a partial
+copy per flush instead of one per write. A partial write on a held version shares its base, like any other;
+the base stays held until something writes it out. Anything that reads a held version's slot (a read, a loan, a partial
 write's old blocks, a short-circuit reader) writes it out first; past ``hold_bytes`` the oldest held versions are
 written out by the writer that went past it.
 
