@@ -35,8 +35,8 @@ block ``b`` of its base; the row's block CRCs cover both, so reads check every b
 like a base, is written only while no row names it, and the versions it came from stay untouched, so the
 crash-safety argument below holds unchanged. A slot shared by several rows is freed when the last of them is
 dropped, under the same rule as before (reused only once that drop is durable, unless no flush covered any of
-the dropped rows that named it). When a write would leave a version with more overrides than a quarter of its
-blocks (or ``MAX_OVERRIDES``), it writes a fresh base instead (compaction: one chunk copy, paid for by the
+the dropped rows that named it). When a write would leave a version with a quarter of its blocks or more in
+overrides (or ``MAX_OVERRIDES``), it writes a fresh base instead (compaction: one chunk copy, paid for by the
 writes that made the overrides), so a chunk's live slots stay within 1.25x its length. A version with
 overrides lies in several places, so a loan of it is a copy through the page cache and a short-circuit
 location is refused (the reader reads over the network).
@@ -156,7 +156,7 @@ from kvfs.errors import ChecksumMismatch, KvfsError
 log = logging.getLogger("kvfs.chunkserver.engine")
 
 BLOCK_CLS = class_for(BLOCK)  # the slot file whose slots hold one block each: a version's overrides live there
-MAX_OVERRIDES = 256  # the most block slots a version names before a write makes a fresh base instead
+MAX_OVERRIDES = 256  # a version names fewer block slots than this; a write that would reach it makes a fresh base
 
 Slot = tuple[int, int]  # (size class, slot)
 
@@ -310,14 +310,16 @@ def _block_kind(runs: list[tuple[int, int, int]], old_len: int, new_len: int, b:
 def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
     """The blocks a partial write writes into block slots of their own when the new version shares every other
     block with ``old`` (block-level copy-on-write); None where it writes a fresh base instead: ``old`` has no
-    base, the version changes size class, or its overrides would pass a quarter of its blocks or
-    ``MAX_OVERRIDES`` (compaction: one copy of the chunk, paid for by the writes that made the overrides)."""
+    base, the version changes size class, or its overrides would reach a quarter of its blocks or
+    ``MAX_OVERRIDES`` (compaction: one copy of the chunk, paid for by the writes that made the overrides). So a
+    write of a quarter of a chunk or more (a sequential writer's 1 MiB into a 4 MiB chunk) makes a fresh base,
+    which reads and loans take in one piece."""
     if old.slot < 0 or class_for(new_len) != old.cls:
         return None
     nblocks = _nblocks(new_len)
     fresh = [b for b in range(nblocks) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
     shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
-    return fresh if shared + len(fresh) <= min(MAX_OVERRIDES, nblocks // 4) else None
+    return fresh if shared + len(fresh) < min(MAX_OVERRIDES, nblocks // 4) else None
 
 
 def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Sequence[Sequence[int]],
