@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 The replication layer (CRAQ) decides versions; this module only keeps them safe. Every chunk has a
 *committed* version (version 0 = empty, when nothing was ever committed) and at most one *pending*
-version. Writes are copy-on-write: a pending version is a complete new copy of the chunk, written
-into a free *slot* beside the committed one, and ``commit`` only flips metadata.
+version. Writes are copy-on-write: a pending version is written into free *slots* beside the committed one
+(a whole new copy, or only the blocks it changes: "Block-level copy-on-write" below), and ``commit`` only
+flips metadata.
 
 On-disk format (under ``root``)::
 
@@ -16,12 +17,29 @@ On-disk format (under ``root``)::
     data/NN.dat          slot file of size class 2**NN bytes (NN = 16 .. 26, i.e. 64 KiB .. 64 MiB);
                          slot s occupies bytes [s * 2**NN, (s + 1) * 2**NN)
 
-A version of length L lives in one slot of the smallest class >= max(L, 64 KiB) (of a larger one where that
-class has no free slot and its file may not grow). Slot files are preallocated with ``posix_fallocate`` and slots
-are reused, so a write never creates a file; they grow only while the file system keeps a reserve free. Table
-``versions`` has one row per committed or pending version: (inode, idx, pending, version, length, crc,
-block_crcs, cls, slot). The free list is *not* stored: at open every slot not named by a row is free, so a
-crash can leak nothing.
+A version of length L has a *base*: one slot of the smallest class >= max(L, 64 KiB) (of a larger one where
+that class has no free slot and its file may not grow), and may have *overrides*: blocks kept in slots of their
+own in ``data/16.dat``. Slot files are preallocated with ``posix_fallocate`` and slots are reused, so a write
+never creates a file; they grow only while the file system keeps a reserve free. Table ``versions`` has one
+row per committed or pending version: (inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux,
+overrides). The free list is *not* stored, nor are the counts of rows that share a slot: at open every slot
+not named by a row is free and every named one counts its rows, so a crash can leak nothing.
+
+Block-level copy-on-write
+-------------------------
+A whole-chunk write (and a write that changes the version's size class) makes a fresh base. A partial write
+instead names the committed version's base and overrides and writes only the blocks it touches, each into a
+fresh 64 KiB block slot (a block it covers partly is read, checked, overlaid and written whole): its cost is
+its bytes rounded out to blocks plus one row. Block ``b`` of a version is its override if it has one, else
+block ``b`` of its base; the row's block CRCs cover both, so reads check every block as before. A block slot,
+like a base, is written only while no row names it, and the versions it came from stay untouched, so the
+crash-safety argument below holds unchanged. A slot shared by several rows is freed when the last of them is
+dropped, under the same rule as before (reused only once that drop is durable, unless no flush covered any of
+the dropped rows that named it). When a write would leave a version with a quarter of its blocks or more in
+overrides (or ``MAX_OVERRIDES``), it writes a fresh base instead (compaction: one chunk copy, paid for by the
+writes that made the overrides), so a chunk's live slots stay within 1.25x its length. A version with
+overrides lies in several places, so a loan of it is a copy through the page cache and a short-circuit
+location is refused (the reader reads over the network).
 
 Checksums: one CRC32C per 64 KiB block (``BLOCK``), stored as a little array in the row, so a
 range read verifies only the blocks it touches. 64 KiB rather than 4 KiB because the block list
@@ -88,9 +106,10 @@ a file written in order) is not written at all at first: the engine keeps the re
 until a flush writes it out. If the chunk is written again before that, the new version's commit frees the old
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
 flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
-copy per flush instead of one per write. Anything that reads a held version's slot (a read, a loan, a partial
-write's old blocks, a short-circuit reader) writes it out first. Past half of ``hold_bytes`` a background thread
-writes out the oldest held versions, beside the writers; past ``hold_bytes`` the writer that went past it does.
+copy per flush instead of one per write. A partial write on a held version shares its base, like any other;
+the base stays held until something writes it out. Anything that reads a held version's slot (a read, a loan, a
+partial write's old blocks, a short-circuit reader) writes it out first. Past half of ``hold_bytes`` a background
+thread writes out the oldest held versions, beside the writers; past ``hold_bytes`` the writer that went past it does.
 
 What it costs: a kill -9 now loses what the target holds, as a power loss loses unflushed writes in plain
 write-back. The versions were staged (their rows name slots the bytes never reached) and listed as unflushed,
@@ -120,7 +139,7 @@ from array import array
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -129,12 +148,17 @@ from crc32c import crc32c
 
 from kvfs.chunkserver import rows
 from kvfs.chunkserver.held import HeldWrites
-from kvfs.chunkserver.slots import SlotFiles, enospc
+from kvfs.chunkserver.slots import SlotFiles, class_for, enospc
 from kvfs.craq.messages import ChunkId
 from kvfs.crc import BLOCK, bad_block, block_crcs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 log = logging.getLogger("kvfs.chunkserver.engine")
+
+BLOCK_CLS = class_for(BLOCK)  # the slot file whose slots hold one block each: a version's overrides live there
+MAX_OVERRIDES = 256  # a version names fewer block slots than this; a write that would reach it makes a fresh base
+
+Slot = tuple[int, int]  # (size class, slot)
 
 CLEAN_MARKER = "CLEAN"
 
@@ -203,6 +227,39 @@ class _Version:
     origin: tuple | None = None  # (offset, len, crc, new_len, extents) of the write that made it, for retransmits
     aux: bytes = b""  # the replication layer's record for this version (e.g. its idempotency table)
     seq: int = 0  # write-back: its number in table unsynced; flushed once a flush has covered it (0: flushed)
+    overrides: dict[int, int] = field(default_factory=dict)  # block -> its slot in BLOCK_CLS, instead of the base's
+
+    def slots(self) -> list[Slot]:
+        """Every slot this version names: its base, then its block slots."""
+        if self.slot < 0:
+            return []
+        return [(self.cls, self.slot), *((BLOCK_CLS, s) for s in self.overrides.values())]
+
+    def overrides_blob(self) -> bytes:
+        """The overrides as a row stores them: (block, slot) pairs, 32 bits each, by block."""
+        return array("I", [x for pair in sorted(self.overrides.items()) for x in pair]).tobytes()
+
+
+def _overrides(blob: bytes) -> dict[int, int]:
+    pairs = array("I", blob)
+    return dict(zip(pairs[::2], pairs[1::2]))
+
+
+def _row_version(version: int, length: int, crc: int, blob: bytes, cls: int, slot: int, overrides: bytes,
+                 aux: bytes = b"") -> _Version:
+    return _Version(version, length, crc, array("I", blob), cls, slot, aux=aux, overrides=_overrides(overrides))
+
+
+def _covering(buffers: list[memoryview], start: int, n: int) -> list[memoryview]:
+    """The pieces of ``buffers`` (taken as one run of bytes) at [start, start + n)."""
+    out = []
+    for b in buffers:
+        if start < len(b) and n > 0:
+            piece = b[start : start + n]
+            out.append(piece)
+            n -= len(piece)
+        start = max(0, start - len(b))
+    return out
 
 
 _EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
@@ -232,6 +289,37 @@ def _runs(offset: int, data: memoryview, extents: Sequence[Sequence[int]] | None
             runs.append((start, at, length))
         at += length
     return runs
+
+
+_NEW, _OLD, _MIXED = range(3)  # a block of a new version: all from one run of the write; the old block; assembled
+
+
+def _block_kind(runs: list[tuple[int, int, int]], old_len: int, new_len: int, b: int) -> tuple[int, int]:
+    """What block ``b`` of a new version of ``new_len`` bytes is, made from a version of ``old_len`` bytes by a
+    write of ``runs`` (:func:`_runs`): (_NEW, run), (_OLD, -1) untouched and as long as before, or (_MIXED, -1)."""
+    lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
+    i = bisect_right(runs, (hi - 1, 1 << 62)) - 1  # the last run starting below hi: the only candidate
+    if i >= 0 and runs[i][0] <= lo and hi <= runs[i][0] + runs[i][2]:
+        return _NEW, i
+    untouched = i < 0 or runs[i][0] + runs[i][2] <= lo
+    if untouched and lo < old_len and hi == min(lo + BLOCK, old_len):
+        return _OLD, -1
+    return _MIXED, -1
+
+
+def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
+    """The blocks a partial write writes into block slots of their own when the new version shares every other
+    block with ``old`` (block-level copy-on-write); None where it writes a fresh base instead: ``old`` has no
+    base, the version changes size class, or its overrides would reach a quarter of its blocks or
+    ``MAX_OVERRIDES`` (compaction: one copy of the chunk, paid for by the writes that made the overrides). So a
+    write of a quarter of a chunk or more (a sequential writer's 1 MiB into a 4 MiB chunk) makes a fresh base,
+    which reads and loans take in one piece."""
+    if old.slot < 0 or class_for(new_len) != old.cls:
+        return None
+    nblocks = _nblocks(new_len)
+    fresh = [b for b in range(nblocks) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
+    shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
+    return fresh if shared + len(fresh) < min(MAX_OVERRIDES, nblocks // 4) else None
 
 
 def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Sequence[Sequence[int]],
@@ -282,9 +370,11 @@ class ChunkEngine:
         self._lock = threading.Lock()  # in-memory state; never held across disk I/O except fallocate
         self._db_lock = threading.Lock()  # serialises metadata writers; held across the SQLite commit
         self._chunks: dict[int, dict[int, _Entry]] = {}
-        self._pins: Counter[tuple[int, int]] = Counter()
-        self._deferred: set[tuple[int, int]] = set()
-        self._undurable_frees: list[tuple[int, int]] = []  # slots whose rows' removal is not yet fsync'ed
+        self._pins: Counter[Slot] = Counter()
+        self._deferred: set[Slot] = set()
+        self._refs: Counter[Slot] = Counter()  # slot -> how many versions (rows) name it
+        self._undurable_frees: list[Slot] = []  # slots whose rows' removal is not yet fsync'ed
+        self._undurably_dropped: set[Slot] = set()  # named by a row whose removal a power loss may undo
         self._superseded: dict[ChunkId, _Version] = {}  # write-back: the last flushed committed version, until flush
         self._last_seq: dict[ChunkId, int] = {}  # write-back: each chunk's newest unflushed staging
         self._dirty_classes: set[int] = set()  # write-back: slot files written since the last flush
@@ -329,9 +419,9 @@ class ChunkEngine:
         if not listed:
             return False
         torn: dict[tuple[int, int], dict[int, int]] = {}  # chunk -> {pending state: version} of its torn versions
-        for inode, idx, pending, version, length, crc, blob, cls, slot in listed:
+        for inode, idx, pending, version, length, crc, blob, cls, slot, overrides in listed:
             try:
-                self._read_verified(_Version(version, length, crc, array("I", blob), cls, slot), 0,
+                self._read_verified(_row_version(version, length, crc, blob, cls, slot, overrides), 0,
                                     memoryview(bytearray(length)))
             except ChecksumMismatch:
                 torn.setdefault((inode, idx), {})[pending] = version
@@ -357,17 +447,17 @@ class ChunkEngine:
         return bool(torn)
 
     def _load(self) -> None:
-        """Rebuild the index from the rows; every slot no row names is free."""
-        used: list[tuple[int, int]] = []
-        for inode, idx, pending, version, length, crc, blob, cls, slot, aux in self._rows.versions():
-            v = _Version(version, length, crc, array("I", blob), cls, slot, aux=aux)
+        """Rebuild the index from the rows; every slot no row names is free, and a slot's count of users is the
+        number of rows that name it (nothing on disk counts them, so a crash can leave no count wrong)."""
+        for inode, idx, pending, version, length, crc, blob, cls, slot, aux, overrides in self._rows.versions():
+            v = _row_version(version, length, crc, blob, cls, slot, overrides, aux)
             entry = self._chunks.setdefault(inode, {}).setdefault(idx, _Entry())
             if pending:
                 entry.pending = v
             else:
                 entry.committed = v
-            used.append((cls, slot))
-        self._slots.mark_used(used)
+            self._refs.update(v.slots())
+        self._slots.mark_used(list(self._refs))
 
     def close(self) -> None:
         """Flush, record the clean stop, then release files and the target lock; the engine is unusable afterwards."""
@@ -404,31 +494,42 @@ class ChunkEngine:
             return
         self._slots.release(cls, slot)
 
+    def _adopt(self, v: _Version) -> None:
+        """A row now names ``v``: each of its slots has one more user."""
+        self._refs.update(v.slots())
+
     def _retire(self, v: _Version, durable: bool) -> None:
-        """Free the slot of a version whose row a transaction just dropped. While that transaction may still be
-        undone by a power loss, the row may come back, so the slot stays out of use until a durable one; unless
-        no flush has covered the version (write-back): a power loss may take such a version anyway, and recovery
-        checks it block by block (table ``unsynced`` lists it), so a row that comes back over reused space is
-        found torn and gives way."""
-        if durable or (self._write_back and v.seq > self._covered_upto):
-            self._free(v.cls, v.slot)
-        else:
-            self._undurable_frees.append((v.cls, v.slot))
+        """A transaction just dropped ``v``'s row: free each of its slots that no other row names. While that
+        transaction may still be undone by a power loss, the row may come back, so such a slot stays out of use
+        until a durable one; unless no flush has covered the version (write-back): a power loss may take such a
+        version anyway, and recovery checks it block by block (table ``unsynced`` lists it), so a row that comes
+        back over reused space is found torn and gives way. A slot shared with a version whose drop was not
+        durable waits even if its last user goes at once."""
+        at_once = durable or (self._write_back and v.seq > self._covered_upto)
+        for key in v.slots():
+            if not at_once:
+                self._undurably_dropped.add(key)
+            self._refs[key] -= 1
+            if self._refs[key]:
+                continue
+            del self._refs[key]
+            if key in self._undurably_dropped:
+                self._undurably_dropped.discard(key)
+                self._undurable_frees.append(key)
+            else:
+                self._free(*key)
 
     def _pin(self, v: _Version) -> None:
-        if v.slot >= 0:
-            self._pins[(v.cls, v.slot)] += 1
+        self._pins.update(v.slots())
 
     def _unpin(self, v: _Version) -> None:
-        key = (v.cls, v.slot)
-        if v.slot < 0:
-            return
-        self._pins[key] -= 1
-        if not self._pins[key]:
-            del self._pins[key]
-            if key in self._deferred:
-                self._deferred.discard(key)
-                self._free(*key)
+        for key in v.slots():
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+                if key in self._deferred:
+                    self._deferred.discard(key)
+                    self._free(*key)
 
     def _entry(self, cid: ChunkId) -> _Entry | None:
         return self._chunks.get(cid.inode, {}).get(cid.index)
@@ -441,7 +542,28 @@ class ChunkEngine:
     # ------------------------------------------------------------------------------ data I/O
 
     def _where(self, v: _Version) -> str:
-        return f"{self._slots.files[v.cls].path} slot {v.slot}"
+        blocks = f" and {len(v.overrides)} block slots" if v.overrides else ""
+        return f"{self._slots.files[v.cls].path} slot {v.slot}{blocks}"
+
+    @staticmethod
+    def _pieces(v: _Version, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(slot file class, offset in it, length) of the contiguous pieces that hold bytes [lo, hi) of ``v``, in
+        order: one for a version without overrides, else a piece per run of base blocks and per block slot."""
+        if not v.overrides:
+            return [(v.cls, (v.slot << v.cls) + lo, hi - lo)]
+        pieces: list[tuple[int, int, int]] = []
+        at = lo
+        while at < hi:
+            b = at // BLOCK
+            end = min(hi, b * BLOCK + BLOCK)
+            own = v.overrides.get(b)
+            cls, off = (v.cls, (v.slot << v.cls) + at) if own is None else (BLOCK_CLS, (own << BLOCK_CLS) + at % BLOCK)
+            if pieces and pieces[-1][0] == cls and pieces[-1][1] + pieces[-1][2] == off:
+                pieces[-1] = (cls, pieces[-1][1], pieces[-1][2] + end - at)
+            else:
+                pieces.append((cls, off, end - at))
+            at = end
+        return pieces
 
     def _read_verified(self, v: _Version, offset: int, out: memoryview, nowait: bool = False) -> None:
         """Fill ``out`` with bytes [offset, offset+len(out)) of version ``v``, reading whole blocks
@@ -454,7 +576,13 @@ class ChunkEngine:
         lo = offset // BLOCK * BLOCK
         hi = min(_nblocks(end) * BLOCK, v.length)
         head, tail = memoryview(bytearray(offset - lo)), memoryview(bytearray(hi - end))
-        got = self._slots.read(v.cls, [b for b in (head, out, tail) if len(b)], (v.slot << v.cls) + lo, nowait)
+        buffers = [b for b in (head, out, tail) if len(b)]
+        got = 0
+        for cls, at, n in self._pieces(v, lo, hi):
+            k = self._slots.read(cls, _covering(buffers, got, n), at, nowait)
+            got += k
+            if k < n:
+                break
         if got != hi - lo and nowait:
             raise BlockingIOError(errno.EAGAIN, "partly outside the page cache")
         if got != hi - lo:
@@ -466,12 +594,12 @@ class ChunkEngine:
     def _copy(self, old: _Version, lo: int, hi: int, cls: int, dst_off: int) -> None:
         """Copy unchanged bytes of the old version in the kernel; their block CRCs carry over, so
         corruption in them stays detectable instead of being laundered into a fresh CRC."""
-        src_off = (old.slot << old.cls) + lo
-        while lo < hi:
-            n = self._slots.copy(old.cls, src_off, cls, dst_off, hi - lo)
-            if n <= 0:
-                raise ChecksumMismatch(f"{self._where(old)}: ends early")
-            lo, src_off, dst_off = lo + n, src_off + n, dst_off + n
+        for src_cls, src_off, left in self._pieces(old, lo, hi):
+            while left:
+                n = self._slots.copy(src_cls, src_off, cls, dst_off, left)
+                if n <= 0:
+                    raise ChecksumMismatch(f"{self._where(old)}: ends early")
+                left, src_off, dst_off = left - n, src_off + n, dst_off + n
 
     def _settle(self, v: _Version, nowait: bool = False) -> None:
         """Make sure ``v``'s bytes are in its slot (written out if held) before they are read from it.
@@ -481,8 +609,8 @@ class ChunkEngine:
     def _fill(self, old: _Version, cls: int, slot: int, offset: int, data: memoryview, new_len: int,
               data_blocks: list[int], extents: Sequence[Sequence[int]] | None = None) -> array:
         """Write the new version (old, with ``data`` at ``offset`` or its ``extents``, cut or zero-extended
-        to ``new_len``) into the slot; return its block CRCs. Runs of blocks wholly from one run of ``data``
-        are written in one pwrite, runs wholly unchanged are copied in the kernel, and blocks
+        to ``new_len``) into a fresh base slot; return its block CRCs. Runs of blocks wholly from one run of
+        ``data`` are written in one pwrite, runs wholly unchanged are copied in the kernel, and blocks
         that mix old bytes, new bytes or zeros are assembled in memory. ``data_blocks`` are the CRCs of
         ``data``'s own BLOCK pieces: a block-aligned write reuses them instead of reading the data again."""
         base = slot << cls
@@ -494,52 +622,71 @@ class ChunkEngine:
         self._settle(old)  # its bytes are read or copied below
         crcs = array("I")
         runs = _runs(offset, data, extents)
-        starts = [start for start, _, _ in runs]
-
-        def kind(b: int) -> tuple[int, int]:
-            """(0, run) all new data from that run; (1, -1) the old block as it was; (2, -1) mixed: assemble."""
-            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
-            i = bisect_right(starts, hi - 1) - 1  # the last run that starts below hi: the only one that may cover
-            if i >= 0 and starts[i] <= lo and hi <= starts[i] + runs[i][2]:
-                return 0, i
-            untouched = i < 0 or starts[i] + runs[i][2] <= lo
-            if untouched and lo < old.length and hi == min(lo + BLOCK, old.length):
-                return 1, -1
-            return 2, -1
-
         b, nblocks = 0, _nblocks(new_len)
         while b < nblocks:
-            k, i = kind(b)
+            k, i = _block_kind(runs, old.length, new_len, b)
             e = b + 1
-            while k != 2 and e < nblocks and kind(e) == (k, i):
+            while k != _MIXED and e < nblocks and _block_kind(runs, old.length, new_len, e) == (k, i):
                 e += 1
             lo, hi = b * BLOCK, min(e * BLOCK, new_len)
-            if k == 0:
-                start, at, _ = runs[i]
-                first, last = at + lo - start, at + hi - start  # the blocks' bytes in data
-                self._slots.write(cls, data[first:last], base + lo)
-                if first % BLOCK == 0 and (last % BLOCK == 0 or last == len(data)):
-                    crcs.extend(data_blocks[first // BLOCK : (last + BLOCK - 1) // BLOCK])
-                else:
-                    crcs.extend(crc32c(data[x : min(x + BLOCK, last)]) for x in range(first, last, BLOCK))
-            elif k == 1:
+            if k == _NEW:
+                crcs.extend(self._write_new(runs[i], data, data_blocks, lo, hi, cls, base + lo))
+            elif k == _OLD:
                 self._copy(old, lo, hi, cls, base + lo)
                 crcs.extend(old.blocks[b:e])
             else:
-                buf = memoryview(bytearray(hi - lo))
-                keep = min(hi, old.length) - lo
-                if keep > 0:
-                    self._read_verified(old, lo, buf[:keep])
-                for start, at, length in runs[max(0, bisect_right(starts, lo) - 1):]:
-                    if start >= hi:
-                        break
-                    s, t = max(lo, start), min(hi, start + length)
-                    if s < t:
-                        buf[s - lo : t - lo] = data[at + s - start : at + t - start]
-                self._slots.write(cls, buf, base + lo)
-                crcs.append(crc32c(buf))
+                crcs.append(self._write_mixed(old, runs, data, lo, hi, cls, base + lo))
             b = e
         return crcs
+
+    def _fill_blocks(self, old: _Version, fresh: list[int], block_slots: list[int], offset: int, data: memoryview,
+                     new_len: int, data_blocks: list[int], extents: Sequence[Sequence[int]] | None,
+                     ) -> tuple[array, dict[int, int]]:
+        """Write blocks ``fresh`` of the new version into ``block_slots``, one each; every other block is shared
+        with ``old`` (its base block or its override). Returns the new version's block CRCs and overrides."""
+        runs = _runs(offset, data, extents)
+        nblocks = _nblocks(new_len)
+        crcs = array("I", old.blocks[:nblocks])
+        crcs.extend([0] * (nblocks - len(crcs)))
+        overrides = {b: s for b, s in old.overrides.items() if b < nblocks}
+        for b, s in zip(fresh, block_slots):
+            k, i = _block_kind(runs, old.length, new_len, b)
+            lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
+            if k == _NEW:
+                crcs[b] = self._write_new(runs[i], data, data_blocks, lo, hi, BLOCK_CLS, s << BLOCK_CLS)[0]
+            else:
+                crcs[b] = self._write_mixed(old, runs, data, lo, hi, BLOCK_CLS, s << BLOCK_CLS)
+            overrides[b] = s
+        return crcs, overrides
+
+    def _write_new(self, run: tuple[int, int, int], data: memoryview, data_blocks: list[int], lo: int, hi: int,
+                   cls: int, dst: int) -> Sequence[int]:
+        """Write bytes [lo, hi) of the new version, all from ``run`` of ``data``, at ``dst``; their block CRCs."""
+        start, at, _ = run
+        first, last = at + lo - start, at + hi - start  # the blocks' bytes in data
+        self._slots.write(cls, data[first:last], dst)
+        if first % BLOCK == 0 and (last % BLOCK == 0 or last == len(data)):
+            return data_blocks[first // BLOCK : (last + BLOCK - 1) // BLOCK]
+        return [crc32c(data[x : min(x + BLOCK, last)]) for x in range(first, last, BLOCK)]
+
+    def _write_mixed(self, old: _Version, runs: list[tuple[int, int, int]], data: memoryview, lo: int, hi: int,
+                     cls: int, dst: int) -> int:
+        """Assemble block [lo, hi) of the new version from old bytes (checked), new bytes and zeros, write it at
+        ``dst``; its CRC."""
+        buf = memoryview(bytearray(hi - lo))
+        keep = min(hi, old.length) - lo
+        if keep > 0:
+            self._settle(old)
+            self._read_verified(old, lo, buf[:keep])
+        starts = [start for start, _, _ in runs]
+        for start, at, length in runs[max(0, bisect_right(starts, lo) - 1):]:
+            if start >= hi:
+                break
+            s, t = max(lo, start), min(hi, start + length)
+            if s < t:
+                buf[s - lo : t - lo] = data[at + s - start : at + t - start]
+        self._slots.write(cls, buf, dst)
+        return crc32c(buf)
 
     # ------------------------------------------------------------------------------ public API
 
@@ -610,18 +757,20 @@ class ChunkEngine:
                         return self._meta(cid, v, entry)
                 if not force and version <= old.version:
                     raise StaleVersion(f"chunk {cid}: v{version} is not newer than committed v{old.version}")
+                whole = full_replace or (extents is None and offset == 0 and len(data) == new_len)
+                fresh = None if whole else _fresh_blocks(old, _runs(offset, data, extents), new_len)
                 # A new slot costs the page cache fresh pages and the file system an extent conversion on
                 # writeback, several times what reusing one costs: reuse slots that only wait for a durable
                 # transaction (write-back leaves them waiting until one runs) rather than grow the file.
                 full = False
                 try:
-                    got = self._slots.alloc(new_len, grow=last_try or not (self._write_back and self._undurable_frees))
+                    got = self._alloc_all([new_len] if fresh is None else [BLOCK] * len(fresh),
+                                          grow=last_try or not (self._write_back and self._undurable_frees))
                 except KvfsError as e:
                     if e.errno != errno.ENOSPC or last_try or not (self._undurable_frees or self._superseded):
                         raise
                     got, full = None, True
                 if got is not None:
-                    cls, slot = got
                     self._pin(old)
                     break
             if full:
@@ -631,23 +780,53 @@ class ChunkEngine:
                     self._execute(rows.COUNT_FLUSH, durable=True)
         try:
             try:
-                blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks, extents)
-                if self._fsync and self._write_through:
-                    self._slots.flush(cls)
-                elif self._write_back:
-                    with self._lock:
-                        self._dirty_classes.add(cls)
+                if fresh is None:
+                    ((cls, slot),) = got
+                    blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks, extents)
+                    overrides: dict[int, int] = {}
+                else:
+                    cls, slot = old.cls, old.slot
+                    blocks, overrides = self._fill_blocks(old, fresh, [s for _, s in got], offset, data, new_len,
+                                                          data_blocks, extents)
+                for written in {c for c, _ in got}:
+                    if self._fsync and self._write_through:
+                        self._slots.flush(written)
+                    elif self._write_back:
+                        with self._lock:
+                            self._dirty_classes.add(written)
+                staged = _Version(version, new_len, crc if whole else fold_crc(blocks, new_len), blocks, cls, slot,
+                                  origin, aux, overrides=overrides)
+                # old stays pinned until the new version's row names the slots they share
+                return self._publish_pending(cid, staged, force)
             finally:
                 self._release(old)
-            whole = crc if full_replace or (offset == 0 and len(data) == new_len) else fold_crc(blocks, new_len)
-            staged = _Version(version, new_len, whole, blocks, cls, slot, origin, aux)
-            return self._publish_pending(cid, staged, force)
         except BaseException as e:
             with self._lock:
-                self._free(cls, slot)
+                for key in got:
+                    self._free(*key)
             if isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise enospc(f"disk of target {self.root} is full") from e
             raise
+
+    def _alloc_all(self, lengths: list[int], grow: bool) -> list[Slot] | None:
+        """A slot for each of ``lengths`` (the caller holds the lock), or None if one is missing and not ``grow``;
+        all or none."""
+        got: list[Slot] = []
+        try:
+            for n in lengths:
+                key = self._slots.alloc(n, grow=grow)
+                if key is None:
+                    break
+                got.append(key)
+            else:
+                return got
+        except BaseException:
+            for key in got:
+                self._slots.release(*key)
+            raise
+        for key in got:
+            self._slots.release(*key)
+        return None
 
     def _publish_pending(self, cid: ChunkId, v: _Version, force: bool) -> ChunkVersion:
         with self._db_lock:
@@ -656,7 +835,8 @@ class ChunkEngine:
             if not force and v.version <= committed:
                 raise StaleVersion(f"chunk {cid}: v{v.version} is not newer than committed v{committed}")
             key = (cid.inode, cid.index)
-            statements = [rows.put_pending(key, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux)]
+            statements = [rows.put_pending(key, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux,
+                                           v.overrides_blob())]
             if self._write_back:
                 statements.append(rows.list_unflushed(self._seq + 1, key, v.version))
             durable = self._execute(*statements, durable=self._write_through)
@@ -665,6 +845,7 @@ class ChunkEngine:
                     self._seq += 1
                     self._last_seq[cid] = v.seq = self._seq
                 entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
+                self._adopt(v)
                 if entry.pending is not None:
                     self._retire(entry.pending, durable)
                 entry.pending = v
@@ -675,11 +856,12 @@ class ChunkEngine:
         :meth:`RowStore.execute <kvfs.chunkserver.rows.RowStore.execute>`. A durable one also makes every earlier
         one durable, so the slots those dropped become free. Returns whether it is durable."""
         durable = self._rows.execute(*statements, durable=durable)
-        if durable and self._undurable_frees:
+        if durable and (self._undurable_frees or self._undurably_dropped):
             with self._lock:
                 for cls, slot in self._undurable_frees:
                     self._free(cls, slot)
                 self._undurable_frees.clear()
+                self._undurably_dropped.clear()
         return durable
 
     def commit(self, chunk_id: ChunkId, version: int, *, durable: bool = True) -> ChunkVersion:
@@ -743,7 +925,7 @@ class ChunkEngine:
                     with self._lock:
                         for cid, v in released:
                             del self._superseded[cid]
-                            self._free(v.cls, v.slot)
+                            self._retire(v, durable=True)
                         self._last_seq = {cid: seq for cid, seq in self._last_seq.items() if seq > upto}
             except OSError:
                 with self._lock:  # still not durable: the next flush tries again (its rows stay listed meanwhile)
@@ -813,7 +995,11 @@ class ChunkEngine:
         try:
             self._settle(v)
             n = self._readable(chunk_id, v, offset, length)
-            data = self._read_direct(v, offset, n) if n else memoryview(b"")
+            if v.overrides:  # in several places: read through the page cache into a buffer of its own
+                data = memoryview(bytearray(n))
+                self._read_verified(v, offset, data)
+            else:
+                data = self._read_direct(v, offset, n) if n else memoryview(b"")
             if data is None:
                 return self._lend_mapped(v, offset, n)
         except BaseException:
@@ -981,9 +1167,14 @@ class ChunkEngine:
         """Where ``version`` (the committed one if None) lies, with the CRCs of the blocks that bytes
         [offset, offset+length) touch, kept in place (its slot not reused) until ``release()``: a short-circuit
         reader on this host reads the slot file itself while the pin holds (chunkserver/README.md, "Short-circuit
-        reads"). A held version is written out first, so this may wait for the disk. Raises ENOENT as :meth:`read`."""
+        reads"). A held version is written out first, so this may wait for the disk. Raises ENOENT as :meth:`read`,
+        and EXDEV for a version with overrides: it lies in several places, which one location cannot name, so the
+        reader reads it over the network (until a write makes a fresh base)."""
         v, _ = self._pin_version(chunk_id, version)
         try:
+            if v.overrides:
+                raise KvfsError(f"chunk {chunk_id} v{v.version} lies in {len(v.overrides) + 1} places, not one",
+                                errno.EXDEV)
             self._settle(v)
             n = self._readable(chunk_id, v, offset, length)
         except BaseException:

@@ -1,7 +1,8 @@
 """The row store of one storage target: ``chunks.sqlite``, which names every version's slot (see the engine).
 
 Tables: ``target`` (format, block size, a flush counter under the key ``syncs``), ``versions`` (one row per
-committed, pending or kept version: ``pending`` is 0, 1 or 2) and ``unsynced`` (with write-back, the unflushed
+committed, pending or kept version: ``pending`` is 0, 1 or 2; ``cls, slot`` its base and ``overrides`` its
+block slots, see the engine's "Block-level copy-on-write") and ``unsynced`` (with write-back, the unflushed
 versions: every one staged since the last flush). The on-disk names predate the word "flush" and stay.
 The engine builds a transaction from the statements below and runs it with :meth:`RowStore.execute`; this
 module holds all of the SQL and none of the engine's state.
@@ -17,7 +18,9 @@ from pathlib import Path
 from kvfs.crc import BLOCK
 from kvfs.errors import KvfsError
 
-_FORMAT = 1
+#: 2: rows carry ``overrides``. A format-1 target gains the column (empty: every version is its base) at open;
+#: an older engine refuses a format-2 target rather than read bases without their overrides.
+_FORMAT = 2
 SQL_BATCH = 500  # inodes or indexes per DELETE (SQLite allows 32766 parameters)
 
 Statement = tuple[str, tuple]
@@ -28,10 +31,10 @@ COUNT_FLUSH: Statement = ("UPDATE target SET value = value + 1 WHERE key = 'sync
 
 
 def put_pending(key: Key, version: int, length: int, crc: int, blocks: bytes, cls: int, slot: int,
-                aux: bytes) -> Statement:
+                aux: bytes, overrides: bytes) -> Statement:
     """The chunk's pending version is this one (replacing any other)."""
-    return ("INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?)",
-            (*key, version, length, crc, blocks, cls, slot, aux))
+    return ("INSERT OR REPLACE INTO versions VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*key, version, length, crc, blocks, cls, slot, aux, overrides))
 
 
 def list_unflushed(seq: int, key: Key, version: int) -> Statement:
@@ -94,13 +97,19 @@ class RowStore:
                 inode INTEGER NOT NULL, idx INTEGER NOT NULL, pending INTEGER NOT NULL,
                 version INTEGER NOT NULL, length INTEGER NOT NULL, crc INTEGER NOT NULL,
                 block_crcs BLOB NOT NULL, cls INTEGER NOT NULL, slot INTEGER NOT NULL, aux BLOB NOT NULL,
+                overrides BLOB NOT NULL DEFAULT x'',
                 PRIMARY KEY (inode, idx, pending)) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS unsynced(
                 seq INTEGER PRIMARY KEY, inode INTEGER NOT NULL, idx INTEGER NOT NULL, version INTEGER NOT NULL);
-            INSERT OR IGNORE INTO target VALUES ('format', 1), ('block', 65536), ('syncs', 0);
+            INSERT OR IGNORE INTO target VALUES ('format', 2), ('block', 65536), ('syncs', 0);
             """
         )
         fmt = dict(self._db.execute("SELECT key, value FROM target"))
+        if fmt.get("format") == 1:
+            self._db.executescript(
+                "BEGIN; ALTER TABLE versions ADD COLUMN overrides BLOB NOT NULL DEFAULT x'';"
+                " UPDATE target SET value = 2 WHERE key = 'format'; COMMIT;")
+            fmt["format"] = 2
         if (fmt.get("format"), fmt.get("block")) != (_FORMAT, BLOCK):
             raise KvfsError(f"target {root} has unsupported format {fmt}", errno.EINVAL)
 
@@ -108,21 +117,21 @@ class RowStore:
         self._db.close()
 
     def versions(self) -> Iterator[tuple]:
-        """Every row: (inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux)."""
+        """Every row: (inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux, overrides)."""
         return self._db.execute(
-            "SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux FROM versions")
+            "SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot, aux, overrides FROM versions")
 
     def unflushed_versions(self) -> list[tuple]:
         """After a crash in write-back mode: the versions listed as unflushed and the kept ones, as (inode, idx,
-        pending, version, length, crc, block_crcs, cls, slot); [] after a clean close."""
+        pending, version, length, crc, block_crcs, cls, slot, overrides); [] after a clean close."""
         leftovers = "SELECT 1 FROM unsynced UNION ALL SELECT 1 FROM versions WHERE pending=2"
         if self._db.execute(leftovers).fetchone() is None:
             return []
         return self._db.execute(
-            "SELECT v.inode, v.idx, v.pending, v.version, v.length, v.crc, v.block_crcs, v.cls, v.slot"
+            "SELECT v.inode, v.idx, v.pending, v.version, v.length, v.crc, v.block_crcs, v.cls, v.slot, v.overrides"
             " FROM unsynced u JOIN versions v ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version"
-            " AND v.pending < 2 UNION SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot"
-            " FROM versions WHERE pending=2"
+            " AND v.pending < 2 UNION SELECT inode, idx, pending, version, length, crc, block_crcs, cls, slot,"
+            " overrides FROM versions WHERE pending=2"
         ).fetchall()
 
     def execute(self, *statements: Statement, durable: bool) -> bool:

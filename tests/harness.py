@@ -12,11 +12,13 @@ import sqlite3
 import subprocess
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import trio
 
 from kvfs import wire
+from kvfs.chunkserver.engine import BLOCK, BLOCK_CLS, ChunkEngine
 from kvfs.rpc import FrameReader, authenticate_client, send_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,24 +209,60 @@ def write_config(path: Path, capacity_bytes: int | None = None, sync_interval: f
     return path
 
 
+def _block_slots(blob: bytes) -> dict[int, int]:
+    """A row's overrides: block -> its slot in the 64 KiB slot file."""
+    pairs = array("I", blob)
+    return dict(zip(pairs[::2], pairs[1::2]))
+
+
 def tear_unsynced(root: Path, rng: random.Random, share: float = 0.5) -> int:
     """What a power loss may leave: rows of versions staged since the last sync, but not all of their data
-    (``share`` of them torn). Returns how many it tore."""
+    (``share`` of them torn, at a byte of the base or of a block slot, wherever the version keeps it). Only a slot
+    no synced row names can be torn: one a synced row names was written before that sync and never since (a
+    version shares blocks with the one before it). Returns how many it tore."""
     db = sqlite3.connect(root / "chunks.sqlite")
     try:
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'unsynced'").fetchone() is None:
             return 0  # no engine got as far as making its tables (a process killed while starting)
-        rows = db.execute(
-            "SELECT v.cls, v.slot, v.length FROM unsynced u JOIN versions v"
-            " ON v.inode=u.inode AND v.idx=u.idx AND v.version=u.version AND v.pending < 2"
-        ).fetchall()
+        listed = "EXISTS (SELECT 1 FROM unsynced u WHERE v.inode=u.inode AND v.idx=u.idx AND v.version=u.version" \
+                 " AND v.pending < 2)"
+        rows = db.execute(f"SELECT v.cls, v.slot, v.length, v.overrides FROM versions v WHERE {listed}").fetchall()
+        synced = set()
+        for cls, slot, overrides in db.execute(f"SELECT cls, slot, overrides FROM versions v WHERE NOT {listed}"):
+            synced.add((cls, slot))
+            synced.update((BLOCK_CLS, s) for s in _block_slots(overrides).values())
     finally:
         db.close()
     torn = 0
-    for cls, slot, length in rows:
-        if length and rng.random() < share:
-            with open(root / "data" / f"{cls:02d}.dat", "r+b") as f:
-                f.seek((slot << cls) + rng.randrange(length))
+    for cls, slot, length, overrides in rows:
+        own = _block_slots(overrides)
+        where = [(BLOCK_CLS, own[b], 0, min(BLOCK, length - b * BLOCK)) if b in own
+                 else (cls, slot, b * BLOCK, min(BLOCK, length - b * BLOCK)) for b in range(-(-length // BLOCK))]
+        where = [w for w in where if w[:2] not in synced]
+        if where and rng.random() < share:
+            at_cls, at_slot, start, n = rng.choice(where)
+            with open(root / "data" / f"{at_cls:02d}.dat", "r+b") as f:
+                f.seek((at_slot << at_cls) + start + rng.randrange(n))
                 f.write(b"\xff")  # neither a payload byte nor zero fill
             torn += 1
     return torn
+
+
+def assert_slots_accounted(engine: ChunkEngine) -> None:
+    """Every slot of every slot file is either named by a row (a base or a block slot, shared or not) or on its
+    file's free list, once, never both; and the engine's bytes in use are those of the named slots: no slot
+    leaked, none doubly used."""
+    db = sqlite3.connect(engine.root / "chunks.sqlite")
+    try:
+        named = set()
+        for cls, slot, overrides in db.execute("SELECT cls, slot, overrides FROM versions"):
+            named.add((cls, slot))
+            named.update((BLOCK_CLS, s) for s in _block_slots(overrides).values())
+    finally:
+        db.close()
+    for cls, f in engine._slots.files.items():
+        free = {(cls, s) for s in f.free}
+        assert len(free) == len(f.free), f"{f.path}: a slot is on the free list twice"
+        assert not free & named, f"{f.path}: slots {sorted(free & named)[:5]} are named by a row and free"
+        assert len(free) + sum(1 for c, _ in named if c == cls) == f.total, f"{f.path}: slots leaked"
+    assert engine.space()[1] == sum(1 << cls for cls, _ in named)

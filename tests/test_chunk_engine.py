@@ -223,7 +223,7 @@ def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path) -> None:
         loc = e.pin_location(C, 1, BLOCK + 3, BLOCK)
         assert (loc.version, loc.length, loc.first_block) == (1, len(data), 1)
         assert loc.block_crcs == [crc32c(data[BLOCK : 2 * BLOCK]), crc32c(data[2 * BLOCK : 3 * BLOCK])]
-        put(e, C, 2, 0, b"x" * 100)  # replaces v1: its slot is retired, but pinned
+        put(e, C, 2, 0, b"x" * 100, full_replace=True)  # replaces v1: its slot is retired, but pinned
         put(e, d, 1, 0, os.urandom(len(data)))
         assert e.local_location(d)[1] != loc.offset
         with open(loc.path, "rb") as f:
