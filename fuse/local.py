@@ -42,6 +42,9 @@ FALLBACKS = Counter("kvfs_mount_short_circuit_fallbacks",
 MARGIN_NS = 500_000_000
 #: Reads slower than this (a moving average) go to worker threads instead of blocking the event loop.
 SLOW_READ = 0.0005
+#: A chunk no local replica would locate (none serves here, or its version's blocks are not in one slot: a version
+#: with block overrides) is read over the network without asking again for this long.
+UNLOCATED_NS = 2_000_000_000
 #: Past this many locations kept, the lapsed ones are forgotten (all of them, if that is not enough): each keeps a
 #: whole chunk's block CRCs, a few KiB.
 PRUNE_AT = 2048
@@ -55,7 +58,8 @@ class LocalReads:
         self.enabled = True
         self._files = ReplicaFiles()
         self._boot_id = shm.boot_id()
-        self._located: dict[int, dict[int, tuple[ChunkLocation, Stamp]]] = {}  # ino -> chunk index -> location
+        #: ino -> chunk index -> (location or None for "read it over the network", the file's stamp, usable until)
+        self._located: dict[int, dict[int, tuple[ChunkLocation | None, Stamp, int]]] = {}
         self._count = 0
         self._workers = Workers("mount-local-read", max_threads=8)
         self._average = 0.0  # seconds a recent read took (moving average)
@@ -71,17 +75,18 @@ class LocalReads:
             return False
         index, within = divmod(offset, st.layout.chunk_size)
         kept = self._located.get(st.ino, {}).get(index)
-        if kept is not None and kept[1] == st.stamp and kept[0].deadline_ns - time.monotonic_ns() > MARGIN_NS:
+        if kept is not None and kept[1] == st.stamp and kept[2] > time.monotonic_ns():
+            if kept[0] is None:
+                return False
             loc = kept[0]
         else:
             changes = st.changes
             found = await self.storage.locate(st.ino, st.layout, index, 0, st.layout.chunk_size, self._boot_id)
+            if st.changes == changes:  # no write of this mount overtook the locate: later reads may use it
+                self._keep(st.ino, index, found, st.stamp)
             if found is None:
-                self._forget(st.ino, index)
                 return False
             loc = found
-            if st.changes == changes:  # no write of this mount overtook the locate: later reads may use it
-                self._keep(st.ino, index, loc, st.stamp)
         try:
             if self._average < SLOW_READ:
                 got = self._timed_read(loc, within, out)
@@ -111,17 +116,17 @@ class LocalReads:
         finally:
             self._average += (time.perf_counter() - started - self._average) / 8
 
-    def _keep(self, ino: int, index: int, loc: ChunkLocation, stamp: Stamp) -> None:
+    def _keep(self, ino: int, index: int, loc: ChunkLocation | None, stamp: Stamp) -> None:
+        now = time.monotonic_ns()
         if self._count >= PRUNE_AT:
-            now = time.monotonic_ns()
             self._located = {i: live for i, chunks in self._located.items()
-                             if (live := {c: v for c, v in chunks.items() if v[0].deadline_ns - now > MARGIN_NS})}
+                             if (live := {c: v for c, v in chunks.items() if v[2] > now})}
             self._count = sum(map(len, self._located.values()))
             if self._count >= PRUNE_AT:
                 self._located, self._count = {}, 0
         chunks = self._located.setdefault(ino, {})
         self._count += index not in chunks
-        chunks[index] = (loc, stamp)
+        chunks[index] = (loc, stamp, now + UNLOCATED_NS if loc is None else loc.deadline_ns - MARGIN_NS)
 
     def _forget(self, ino: int, index: int) -> None:
         chunks = self._located.get(ino)

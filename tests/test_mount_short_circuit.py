@@ -32,12 +32,14 @@ class OneChunkStorage:
     """``locate`` of a chunk kept in one file: what a chunk server on this host answers, counted."""
 
     def __init__(self, path: Path, data: bytes, *, crcs: list[int] | None = None, lease_ns: int = LEASE_NS) -> None:
-        self.path, self.data, self.lease_ns, self.located = path, data, lease_ns, 0
+        self.path, self.data, self.lease_ns, self.located, self.refuse = path, data, lease_ns, 0, False
         self.crcs = crcs if crcs is not None else [crc32c(data[i : i + BLOCK]) for i in range(0, len(data), BLOCK)]
         path.write_bytes(data)
 
-    async def locate(self, ino, layout, index, within, length, boot_id) -> ChunkLocation:
+    async def locate(self, ino, layout, index, within, length, boot_id) -> ChunkLocation | None:
         self.located += 1
+        if self.refuse:  # no serving replica here, or a version whose blocks lie in several slots
+            return None
         return ChunkLocation(1, str(self.path), 0, len(self.data), 0, self.crcs, time.monotonic_ns() + self.lease_ns)
 
 
@@ -63,6 +65,17 @@ def test_one_locate_serves_many_reads_until_the_file_changes(tmp_path: Path) -> 
     assert _read(local, st, 0, 10) == data[:10] and storage.located == 2
     st.stamp = (2, len(data))  # opened again after another client changed it
     assert _read(local, st, 0, 10) == data[:10] and storage.located == 3
+
+
+def test_a_chunk_not_located_here_is_read_over_the_network_without_asking_each_time(tmp_path: Path) -> None:
+    data = os.urandom(BLOCK)
+    storage = OneChunkStorage(tmp_path / "slot", data)
+    storage.refuse = True
+    local, st = LocalReads(storage), _state(len(data))  # type: ignore[arg-type]
+    assert _read(local, st, 0, 100) is None and _read(local, st, 100, 100) is None and storage.located == 1
+    storage.refuse = False
+    local.drop(st.ino)  # a write here (or an open that finds the file changed) asks again
+    assert _read(local, st, 0, 100) == data[:100] and storage.located == 2
 
 
 def test_a_pin_about_to_lapse_is_located_again(tmp_path: Path) -> None:
