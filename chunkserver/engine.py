@@ -1090,31 +1090,32 @@ class ChunkEngine:
             ]
         return iter(metas)
 
-    def remove_files(self, inodes: list[int]) -> int:
-        """Delete every chunk of these inodes in one transaction; returns how many chunks there were."""
+    def remove_files(self, inodes: list[int]) -> list[ChunkId]:
+        """Delete every chunk of these inodes in one transaction; returns the chunks that were there (for the
+        chain members, which must forget them)."""
         with self._lock:
             inodes = [i for i in inodes if i in self._chunks]
             ids = [ChunkId(i, x) for i in inodes for x in self._chunks[i]]
-        removed = 0
+        removed: list[ChunkId] = []
         for start in range(0, len(inodes), rows.SQL_BATCH):
             part = inodes[start : start + rows.SQL_BATCH]
             mine = set(part)
             removed += self._remove(rows.delete_inodes(part), [c for c in ids if c.inode in mine])
         return removed
 
-    def remove_from(self, inode: int, first: int) -> int:
+    def remove_from(self, inode: int, first: int) -> list[ChunkId]:
         """Delete the chunks of ``inode`` at index ``first`` and beyond (a truncation's tail) in one transaction
-        per ``SQL_BATCH`` chunks, not one per chunk; returns how many there were. The DELETE names each index,
-        so a chunk written meanwhile past ``first`` is never dropped from disk while it stays in memory."""
+        per ``SQL_BATCH`` chunks, not one per chunk; returns the chunks that were there. The DELETE names each
+        index, so a chunk written meanwhile past ``first`` is never dropped from disk while it stays in memory."""
         with self._lock:
             indexes = sorted(x for x in self._chunks.get(inode, {}) if x >= first)
-        removed = 0
+        removed: list[ChunkId] = []
         for start in range(0, len(indexes), rows.SQL_BATCH):
             part = indexes[start : start + rows.SQL_BATCH]
             removed += self._remove(rows.delete_indexes(inode, part), [ChunkId(inode, x) for x in part])
         return removed
 
-    def _remove(self, delete: rows.Statement, ids: list[ChunkId]) -> int:
+    def _remove(self, delete: rows.Statement, ids: list[ChunkId]) -> list[ChunkId]:
         with self._db_lock:
             ids = [c for c in ids if self._entry(c) is not None]
             durable = bool(ids) and self._execute(delete, durable=self._write_through)
@@ -1126,7 +1127,7 @@ class ChunkEngine:
                             self._retire(v, durable)
                     entry.committed = entry.pending = None
                     self._forget_if_empty(cid, entry)
-            return len(ids)
+            return ids
 
     def truncate(self, chunk_id: ChunkId, length: int, version: int) -> ChunkVersion:
         """Cut or zero-extend the chunk to ``length`` as new committed ``version`` (copy-on-write)."""

@@ -595,12 +595,20 @@ class ChunkServer:
         return p.FetchedChunk(meta.version, meta.crc), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
-        return p.Removed(await trio.to_thread.run_sync(
-            lambda: sum(engine.remove_from(req.inode, req.from_index) for engine in self.engines.values())))
+        return p.Removed(await self._remove_chunks(lambda engine: engine.remove_from(req.inode, req.from_index)))
 
     async def _on_remove_files(self, req: p.RemoveFiles, data: Any, ctx: CallContext) -> p.Removed:
-        return p.Removed(await trio.to_thread.run_sync(
-            lambda: sum(engine.remove_files(req.inodes) for engine in self.engines.values())))
+        return p.Removed(await self._remove_chunks(lambda engine: engine.remove_files(req.inodes)))
+
+    async def _remove_chunks(self, remove: Callable[[ChunkEngine], list[ChunkId]]) -> int:
+        """Remove chunks from every target's engine, then from its chain member's state: removals bypass the
+        chain, and a member that still listed them would wait forever to copy them in a resync."""
+        removed = await trio.to_thread.run_sync(lambda: {t: remove(e) for t, e in self.engines.items()})
+        for target_id, chunk_ids in removed.items():
+            member = self.members.get(target_id)
+            if member is not None and chunk_ids:
+                self._execute(target_id, member.forget(chunk_ids))
+        return sum(map(len, removed.values()))
 
     async def _on_last_chunk(self, req: p.LastChunkQuery, data: Any, ctx: CallContext) -> p.LastChunk:
         last = p.LastChunk(-1, 0)

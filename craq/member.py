@@ -64,7 +64,8 @@ asynchronous: the driver reports its completion with :class:`Persisted`; every o
 the next one starts. A ``Tick`` costs O(chunks with a pending version), not O(chunks): the member keeps an
 index of them (retransmitted in chunk creation order, so runs are deterministic). Reads use the pure queries
 :meth:`ChainMember.read_decision`, :meth:`ChainMember.answer_version_query` and
-:meth:`ChainMember.decide_with_tail`. ``handle`` raises
+:meth:`ChainMember.decide_with_tail`. Chunks that the engine removed (file deletion and truncation bypass the
+chain) the driver hands to :meth:`ChainMember.forget`. ``handle`` raises
 :class:`ProtocolError` for an event the current state does not expect; nothing else changes replication state.
 """
 
@@ -73,8 +74,8 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
-from errno import EIO
-from collections.abc import Callable
+from errno import EIO, ENOENT
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -357,6 +358,7 @@ class ChainMember:
         self._chunks: dict[ChunkId, _Chunk] = {}
         self._dirty: dict[ChunkId, _Chunk] = {}  # chunks with a pending version (what a Tick looks at)
         self._resync: _ResyncJob | None = None
+        self._forgotten_persists: set[tuple[ChunkId, int]] = set()  # (chunk, version) forgotten mid-persist
         self._queries = 0
         self._created = itertools.count()  # chunk creation order
         for cid, meta in (chunks or {}).items():
@@ -453,6 +455,33 @@ class ChainMember:
 
     # ----------------------------------------------------------------------------------------- handle
 
+    def forget(self, chunk_ids: Iterable[ChunkId]) -> list[Effect]:
+        """The engine removed these chunks (their file was deleted, or truncated below them): drop their state.
+
+        Otherwise a resync would wait forever for copies of bytes that no longer exist (the driver cannot read
+        them), and the member would keep every chunk ever written. A write still waiting on one fails with
+        ENOENT; the late completion of its persist is aborted (:meth:`handle`)."""
+        gone = KvfsError("chunk removed: its file was deleted or truncated", ENOENT)
+        job = self._resync
+        effects: list[Effect] = []
+        resolved = False
+        for cid in chunk_ids:
+            c = self._chunks.pop(cid, None)
+            if c is None:
+                continue
+            if c.pending is not None:
+                effects += [self._reply(cid, key, gone) for key in c.pending.waiters]
+                if not c.pending.persisted:
+                    self._forgotten_persists.add((cid, c.pending.update.version))
+                c.pending = None  # out of the dirty index too
+            effects += [self._reply(cid, (w.client_id, w.request_id), gone) for w in c.queue]
+            if job is not None and job.outstanding and cid in job.outstanding:
+                job.outstanding.discard(cid)
+                resolved = True
+        if resolved:
+            effects += self._resync_maybe_done(job)
+        return effects
+
     def handle(self, event: Event) -> list[Effect]:
         """Feed one input; returns the effects to execute, in order."""
         if isinstance(event, Configure):
@@ -460,6 +489,9 @@ class ChainMember:
         if isinstance(event, Tick):
             return self._tick(event.now)
         if isinstance(event, (Persisted, PersistFailed)):
+            if (event.chunk_id, event.version) in self._forgotten_persists:  # drop what the engine staged
+                self._forgotten_persists.discard((event.chunk_id, event.version))
+                return [Abort(event.chunk_id, event.version)] if isinstance(event, Persisted) else []
             return self._dispatch(self._chunk(event.chunk_id), event)
         if isinstance(event, Msg):
             if event.chain_id != self.chain_id:
@@ -472,6 +504,8 @@ class ChainMember:
                 return self._resync_state(event)
             if isinstance(event, ResyncPull):
                 return self._resync_pull(event)
+            if isinstance(event, UpdateAck) and event.chunk_id not in self._chunks:
+                return self._dispatch(_Chunk(event.chunk_id), event)  # late, of a forgotten chunk: keep it forgotten
             if isinstance(event, (WriteReq, UpdateReq, UpdateAck)):
                 return self._dispatch(self._chunk(event.chunk_id), event)
         raise ProtocolError(f"unexpected event {type(event).__name__}")

@@ -150,12 +150,12 @@ def test_list_remove_truncate(eng: ChunkEngine) -> None:
     put(eng, ChunkId(2, 0), 1, 0, b"b")
     assert [(m.chunk_id, m.length) for m in eng.list_chunks(1)] == [(ChunkId(1, i), i + 1) for i in range(3)]
     assert len(list(eng.list_chunks())) == 4
-    assert eng.remove_from(1, 2) == 1 and eng.remove_from(1, 2) == 0
+    assert eng.remove_from(1, 2) == [ChunkId(1, 2)] and eng.remove_from(1, 2) == []
     assert eng.meta(ChunkId(1, 2)) is None and eng.local_location(ChunkId(1, 2)) is None
     with pytest.raises(KvfsError) as ei:
         eng.read(ChunkId(1, 2), 0, 1)
     assert ei.value.errno == errno.ENOENT
-    assert eng.remove_files([1, 7]) == 2 and list(eng.list_chunks(1)) == []
+    assert eng.remove_files([1, 7]) == [ChunkId(1, 0), ChunkId(1, 1)] and list(eng.list_chunks(1)) == []
     put(eng, C, 1, 0, os.urandom(3 * BLOCK))
     before = content(eng, C)
     m = eng.truncate(C, BLOCK + 10, 2)
@@ -188,7 +188,7 @@ def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
         for i in range(count):
             put(e, ChunkId(4, i), 1, 0, b"x")
         used_one = e.space()[1] // count
-        assert e.remove_from(4, 1) == count - 1
+        assert e.remove_from(4, 1) == [ChunkId(4, i) for i in range(1, count)]
         used = e.space()[1]
         assert used == used_one
     with ChunkEngine(tmp_path) as e:

@@ -859,3 +859,33 @@ def test_a_pulled_copy_stored_after_the_recovery_ended_goes_down_the_chain_like_
     chain.reconfigure(recovering(6, Y, recovering=False), 1)
     (forward,) = member.handle(Persisted(X, 4, crc32c(b"x4"), 2))
     assert isinstance(forward, SendChunk) and forward.target == 2 and forward.msg.version == 4
+
+
+def test_a_resync_does_not_wait_for_chunks_the_engine_removed_meanwhile():
+    """File deletion and truncation remove chunks from the engine, not through the chain: the member forgets
+    them, and a resync that was to copy them is done without them (it used to wait forever)."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    other = ChunkId(8, 0)
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.run(1, chain.members[1].handle(WriteReq(1, 1, other, 9, 2, 0, crc32c(b"b"), b"b")))
+    chain.deliver_all()
+    pred = chain.members[1]
+    pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0))
+    copies = pred.handle(ResyncState(1, 2, 2, ()))  # the successor lost both
+    assert {c.msg.chunk_id for c in copies} == {CID, other} and pred.resync_progress() == (2, 2, 2)
+    assert pred.forget([CID]) == []  # its file was deleted before the copy could be read
+    assert pred.chunk_versions(CID) == (0, None) and pred.resync_progress() == (2, 1, 2)
+    assert pred.handle(UpdateAck(1, 2, CID, 2, 1, AckStatus.OK, 1, 0, 1, True)) == []  # a late ack is ignored
+    assert pred.forget([other, ChunkId(9, 0)]) == [ReportToMgmtd(ResyncDone(1, 2, 2))]
+    assert pred.handle(ResyncState(1, 2, 2, ())) == []  # and nothing is left to copy
+
+
+def test_forgetting_a_chunk_fails_its_waiting_writes_and_aborts_the_late_persist():
+    head = ChainMember(1, 1)
+    head.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    (persist,) = head.handle(write(b"a", request_id=1))
+    assert head.handle(write(b"b", request_id=2)) == []  # queued behind the first
+    replies = head.forget([CID])
+    assert [(r.msg.request_id, r.msg.errno) for r in replies] == [(1, errno.ENOENT), (2, errno.ENOENT)]
+    assert not head.has_timers()
+    assert head.handle(Persisted(CID, persist.version, crc32c(b"a"), 1)) == [Abort(CID, persist.version)]

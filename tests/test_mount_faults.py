@@ -2,6 +2,8 @@
 
 * kill -9 of a chunk server while ``cp`` copies a 200 MiB file in: the copy completes and ``cmp`` matches; the
   server comes back with ``kvfs up``, resyncs, and then serves the whole file on its own.
+* a chunk server killed after files were deleted and truncated comes back: its resync does not wait for chunks
+  that are gone (the running replicas forget what the deletion removed).
 * restarts of the meta service (SIGTERM, then SIGKILL) under a loop of 2,000 create/stat/rename/unlink: the loop
   completes without one error and leaves exactly the expected names and bytes.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
-from cluster_fixtures import NEEDS_FUSE, KvfsCluster, started, wait_until  # noqa: E402
+from cluster_fixtures import NEEDS_FUSE, KvfsCluster, chunks_held, started, wait_until  # noqa: E402
 
 pytestmark = NEEDS_FUSE
 MIB = 1 << 20
@@ -96,6 +98,23 @@ def test_kill_a_chunk_server_while_copying_200_mib(big_local_file, position):
             c.kill(name)
         wait_until(lambda: all(serving(c)[n] != "serving" for n in others), 30, "the two others to be taken out")
         cmp(big_local_file, dest)
+
+
+def test_a_chunk_server_resyncs_after_files_were_deleted_and_truncated():
+    with started("kvfs-fault-rm-") as c:
+        files = [c.mount / f"f{i}" for i in range(4)]
+        for f in files:
+            f.write_bytes(os.urandom(5 * MIB))  # two chunks each
+        inodes = [os.stat(f).st_ino for f in files]
+        for f in files[:3]:
+            f.unlink()
+        os.truncate(files[3], MIB)  # drops its second chunk
+        wait_until(lambda: chunks_held(c.data, inodes[:3]) == 0, 60, "meta to collect the deleted files' chunks")
+        victim = chain_order(c)[-1]
+        c.kill(victim)
+        r = c.up()  # restarts it and waits until its target serves again: the resync finished
+        assert f"started {victim}" in r.stdout
+        assert set(serving(c).values()) == {"serving"}
 
 
 LOOP = r"""
