@@ -122,7 +122,7 @@ class DirOps:
         attr, layout = child_attr(caller, held.attr, held.layout, stat.S_IFREG | (mode & 0o7777), ino, now)
         assert layout is not None
         session = secrets.randbits(63) if flags & os.O_ACCMODE != os.O_RDONLY else None
-        self.coherence.named(held.ino, name)
+        self.coherence.named(held.ino, name, ino)
         held.own[name] = (ino, attr.uid)
         op = CreateOp(caller, name, ino, mode & 0o7777, flags, now, layout, session)
         if session is not None:
@@ -399,6 +399,8 @@ class DirOps:
                   os.strerror(code) if code > 0 else "not applied")
         pyfuse3.invalidate_entry_async(held.ino, op.name, ignore_enoent=True)
         invalidate_attributes(held.ino)
+        self.coherence.drop_listing(held.ino)  # it showed the change
+        self.coherence.stale(held.ino, op.ino)
         if not held.dropped:
             self._drop(held, "a change of ours there failed")
 
