@@ -458,11 +458,11 @@ class KvfsOperations(pyfuse3.Operations):
         if held is not None:  # a file this mount made in a directory it holds: answered here (fuse/dirops.py)
             self._fresh_dir(parent_inode, self.dirops.unlink(held, caller, name))
             return
+        # no delegation is asked for: under one, only removals of files this mount made there are answered here,
+        # and the creates of those count already (fuse/dirops.py, want)
         parent = await self.meta.unlink(caller, parent_inode, name)
         self._unnamed(parent_inode, name)
         self._fresh_dir(parent_inode, parent)
-        if self.dirops is not None:
-            self.dirops.want(parent_inode, caller)
 
     @_fuse_errors
     @_changes_directories
