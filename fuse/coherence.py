@@ -6,14 +6,18 @@ turns every change another client makes into a kernel invalidation. When the fee
 wait plus ``grace``) or reports a gap, the mount cannot know what changed: it invalidates every entry and inode
 it handed to the kernel and replies with the short timeouts until the feed answers again.
 
-For directories whose whole listing it holds (it created them, or read them after lookups kept missing there)
-the mount also answers the lookup of an absent name itself (:meth:`Coherence.absent`), so ``open(O_CREAT)`` of
-a new name costs one meta call, not two. Such a listing stays complete only while this mount's own changes
-update it and no other client touches the directory: a foreign change of any of its entries, a lapse, or a
-failed change of our own (its outcome may be unknown) drops it. A create that raced another client's create of
-the same name reaches meta, which decides. A listing read from meta (several pages, each its own snapshot)
-counts only if no other client touched the directory from before its first page until its last (any change the
-feed applies in between voids it); this mount's own changes meanwhile are replayed on top of it.
+The mount keeps listings of directories: every name with its inode, and the attributes meta listed with them
+(readdirplus pages, read after lookups there kept reaching meta; or the names alone, from a delegation's grant
+or for a directory this mount created). A listing answers the lookup of a name it holds with those attributes
+(:meth:`Coherence.entry`), and a complete one also the lookup of an absent name (:meth:`Coherence.absent`): a
+cold stat, or the kernel's lookup before ``open(O_CREAT)`` of a new name, then needs no meta call. Dropping the
+kernel's caches does not drop these. A listing stays true only while this mount's own changes update it and no
+other client touches the directory: a foreign change of any of its entries, a lapse, or a failed change of our
+own (its outcome may be unknown) drops it; a foreign change of an inode drops its attributes, and so does any
+change of ours (:meth:`Coherence.stale`). A create that raced another client's create of the same name reaches
+meta, which decides. A page read from meta counts only if no other client touched the directory while it was on
+its way (any entry change the feed applies meanwhile voids it); this mount's own changes meanwhile are replayed
+on top of it, and attributes dropped meanwhile are not taken from it.
 
 The mount also keeps ``security.*`` xattr answers (present or absent) while the feed is live. The kernel asks for
 ``security.capability`` before every write to see whether the write must drop file capabilities, and a meta round
@@ -31,12 +35,13 @@ import contextvars
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pyfuse3
 import trio
 
-from kvfs.meta.types import Caller, ChangePage
+from kvfs.meta.types import Attr, Caller, ChangePage, DirPage
 from kvfs.service import Complaint
 
 log = logging.getLogger(__name__)
@@ -44,12 +49,35 @@ log = logging.getLogger(__name__)
 #: ``Coherence.applied`` when the current request handler started (-1: outside a handler).
 STARTED: contextvars.ContextVar[int] = contextvars.ContextVar("kvfs_fuse_started", default=-1)
 KNOWN_NAMES = 1 << 20  # names handed to the kernel that a lapse invalidates; older ones are forgotten
-LISTINGS = 1024  # complete directory listings kept (least recently used go first)
-LISTING_NAMES = 1 << 16  # a directory with more names is not kept
-LISTING_QUIET = 10.0  # seconds without another client's change in a directory before its listing is read
+LISTINGS = 1024  # directory listings kept (least recently used go first)
+LISTED_NAMES = 1 << 18  # names in all of them together (each with its attributes: ~0.5 KiB)
+LISTING_NAMES = 1 << 16  # a listing is not read further (nor kept complete) beyond this many names
+LISTING_QUIET = 1.0  # seconds without another client's change in a directory before its listing is read
+FIRST_PAGE = 256  # entries of a listing's first readdir page; each next page is twice as large, up to LAST_PAGE
+LAST_PAGE = 4096  # (one meta transaction each; a lookup or two in a huge directory reads one small page)
 XATTR_INODES = 1 << 16  # inodes whose security.* xattr answers are kept (least recently used go first)
 #: What :meth:`Coherence.xattr` returns when it holds no answer (None means: known to be absent).
 UNKNOWN = object()
+
+
+@dataclass(eq=False)
+class Listing:
+    """What this mount knows of a directory's names: all of them (``complete``), or the first ones in meta's order,
+    up to ``cookie`` (where the next page starts), plus those this mount made since."""
+
+    names: dict[bytes, int] = field(default_factory=dict)  # name -> its inode (0: not known here)
+    complete: bool = False
+    cookie: bytes = b""
+    pages: int = 0  # read so far: the next one is larger
+
+
+@dataclass(eq=False)
+class _Read:
+    """A read of a listing under way: this mount's changes of the directory since it began, in order ((True, name,
+    inode): made, (False, name, 0): removed), and the inodes whose attributes were dropped meanwhile."""
+
+    own: list[tuple[bool, bytes, int]] = field(default_factory=list)
+    stale: set[int] = field(default_factory=set)
 
 
 class Coherence:
@@ -63,10 +91,10 @@ class Coherence:
         self.applied = 0  # foreign changes applied so far
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
-        self._listings: OrderedDict[int, set[bytes]] = OrderedDict()  # directory -> every name in it
-        # directory -> the listing being read from meta: the read's token, and this mount's changes of the
-        # directory since it began, in order ((True, name): made, (False, name): removed)
-        self._reading: dict[int, tuple[object, list[tuple[bool, bytes]]]] = {}
+        self._listings: OrderedDict[int, Listing] = OrderedDict()
+        self._listed = 0  # names in them
+        self._attrs: dict[int, Attr] = {}  # inode -> the attributes meta listed, while nothing changed them
+        self._reading: dict[int, _Read] = {}  # directory -> the read of its listing under way (it is the token)
         self._foreign: OrderedDict[int, float] = OrderedDict()  # directory -> when another client last changed it
         self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
         self.xattr_changes = 0  # this mount's own xattr changes so far (the feed leaves them out)
@@ -92,72 +120,180 @@ class Coherence:
         """The kernel was told ``name`` is not in ``parent``, perhaps for long."""
         _remember(self._names, (parent, name))
 
-    # -------------------------------------------------------------- complete listings --------
+    # -------------------------------------------------------------- listings --------------------
     def absent(self, parent: int, name: bytes) -> bool:
         """True when ``name`` is certainly not in ``parent`` (as far as the feed has told us)."""
-        names = self._listings.get(parent)
-        return self.live and names is not None and name not in names and name not in (b".", b"..")
+        listing = self._listings.get(parent)
+        return (self.live and listing is not None and listing.complete and name not in listing.names
+                and name not in (b".", b".."))
+
+    def entry(self, parent: int, name: bytes) -> Attr | None:
+        """The attributes of ``name`` in ``parent`` if a listing holds them; None: ask meta."""
+        listing = self._listings.get(parent) if self.live else None
+        ino = None if listing is None else listing.names.get(name)
+        if not ino:
+            return None
+        self._listings.move_to_end(parent)
+        return self._attrs.get(ino)
+
+    def attr(self, ino: int) -> Attr | None:
+        """The attributes of ``ino`` if a listing holds them; None: ask meta."""
+        return self._attrs.get(ino) if self.live else None
+
+    def inode_of(self, parent: int, name: bytes) -> int:
+        """The inode a listing names ``name`` in ``parent`` with (0: not known here)."""
+        listing = self._listings.get(parent)
+        return 0 if listing is None else listing.names.get(name, 0)
+
+    def stale(self, *inodes: int) -> None:
+        """The attributes of ``inodes`` changed, or may have: by this mount (the feed leaves its changes out), or by
+        another client. A listing's page on its way does not bring them back."""
+        for ino in inodes:
+            self._attrs.pop(ino, None)
+            for read in self._reading.values():
+                read.stale.add(ino)
 
     def listing_made(self, ino: int) -> None:
         """This mount created directory ``ino``: its (empty) listing is complete."""
-        self._keep_listing(ino, set())
-
-    def _keep_listing(self, ino: int, names: set[bytes]) -> None:
-        self._listings[ino] = names
-        while len(self._listings) > LISTINGS:
-            self._listings.popitem(last=False)
+        self._keep(ino, Listing(complete=True))
 
     def begin_listing(self, ino: int, *, force: bool = False) -> object | None:
-        """Start reading ``ino``'s listing from meta; None if it is held or being read already, if the feed is not
-        live, or if another client changed the directory in the last ``LISTING_QUIET`` seconds (a directory
-        several clients fill would have its listing dropped again at once). ``force``: read it anyway unless the
-        feed is not live (a delegation's grant carries the listing: fuse/dirops.py); it replaces the one held."""
+        """Start reading (more of) ``ino``'s listing from meta: the token for :meth:`end_page` or
+        :meth:`end_listing`. None if it is complete or as large as is read already, if it is being read, if the
+        feed is not live, or if another client changed the directory in the last ``LISTING_QUIET`` seconds (a
+        directory several clients fill would have its listing dropped again at once). ``force``: read it anyway
+        unless the feed is not live (a delegation's grant carries the listing: fuse/dirops.py); it replaces the one
+        held."""
+        listing = self._listings.get(ino)
         changed = self._foreign.get(ino)
-        if not self.live or not force and (ino in self._listings or ino in self._reading or (
-                changed is not None and time.monotonic() - changed < LISTING_QUIET)):
+        if not self.live or not force and (
+                ino in self._reading
+                or listing is not None and (listing.complete or len(listing.names) >= LISTING_NAMES)
+                or changed is not None and time.monotonic() - changed < LISTING_QUIET):
             return None
-        token = object()
-        self._reading[ino] = (token, [])
-        return token
+        read = self._reading[ino] = _Read()
+        return read
+
+    def next_page(self, ino: int) -> tuple[bytes, int]:
+        """Where the next page of ``ino``'s listing starts, and how many entries to ask for."""
+        listing = self._listings.get(ino)
+        if listing is None:
+            return b"", FIRST_PAGE
+        return listing.cookie, min(LAST_PAGE, FIRST_PAGE << listing.pages)
+
+    def end_page(self, ino: int, token: object, page: DirPage | None) -> Listing | None:
+        """Add a page read since :meth:`begin_listing` (None: the read failed) to ``ino``'s listing, unless
+        something voided it; the listing if it is kept."""
+        read = self._end(ino, token)
+        if read is None or page is None:
+            return None
+        listing = self._listings.get(ino)
+        if listing is None:
+            listing = self._listings[ino] = Listing()
+        self._listings.move_to_end(ino)
+        for entry in page.entries:
+            self._name(listing, entry.name, entry.attr.ino)
+            if entry.attr.ino not in read.stale:
+                self._attrs[entry.attr.ino] = entry.attr
+        self._replay(listing, read)
+        listing.cookie, listing.complete = page.cookie, page.eof
+        listing.pages += 1
+        self._trim()
+        return listing if ino in self._listings else None
 
     def end_listing(self, ino: int, token: object, names: list[bytes] | None) -> bool:
-        """Keep the listing read since :meth:`begin_listing` (None: the read failed) unless something voided it.
-        The pages may or may not show this mount's own changes made meanwhile, so those are replayed on top: for
-        a name only we touched, our last change decides."""
-        reading = self._reading.get(ino)
-        if reading is None or reading[0] is not token:
+        """Keep the complete listing ``names`` (None: the read failed) read since :meth:`begin_listing`, unless
+        something voided it. The inodes a listing held already are kept for the names it keeps."""
+        read = self._end(ino, token)
+        if read is None or names is None or len(names) > LISTING_NAMES:
             return False
-        del self._reading[ino]
-        if names is None or not self.live or len(names) > LISTING_NAMES:
-            return False
-        listing = set(names)
-        for made, name in reading[1]:
-            (listing.add if made else listing.discard)(name)
-        self._keep_listing(ino, listing)
+        old = self._listings.get(ino)
+        known = {} if old is None else old.names
+        listing = Listing({name: known.get(name, 0) for name in names}, complete=True)
+        self._replay(listing, read)
+        self._keep(ino, listing)
         return True
 
-    def named(self, parent: int, name: bytes) -> None:
-        self._note_own(parent, True, name)
-        names = self._listings.get(parent)
-        if names is not None:
-            names.add(name)
+    def _end(self, ino: int, token: object) -> _Read | None:
+        """The read ``token`` of ``ino``'s listing, ended; None if it was voided."""
+        read = self._reading.get(ino)
+        if read is None or read is not token:
+            return None
+        del self._reading[ino]
+        return read if self.live else None
+
+    def _replay(self, listing: Listing, read: _Read) -> None:
+        """The pages may or may not show this mount's own changes made while they were read: for a name only we
+        touched, our last change decides."""
+        for made, name, ino in read.own:
+            if made:
+                self._name(listing, name, ino)
+            else:
+                self._unname(listing, name)
+
+    def _name(self, listing: Listing, name: bytes, ino: int) -> None:
+        if name not in listing.names:
+            self._listed += 1
+        listing.names[name] = ino
+
+    def _unname(self, listing: Listing, name: bytes) -> None:
+        ino = listing.names.pop(name, None)
+        if ino is not None:
+            self._listed -= 1
+            self._attrs.pop(ino, None)
+
+    def _keep(self, ino: int, listing: Listing) -> None:
+        old = self._listings.pop(ino, None)
+        if old is not None:
+            self._listed -= len(old.names)
+            kept = set(listing.names.values())
+            for gone in old.names.values():
+                if gone not in kept:
+                    self._attrs.pop(gone, None)
+        self._listings[ino] = listing
+        self._listed += len(listing.names)
+        self._trim()
+
+    def _trim(self) -> None:
+        while self._listed > LISTED_NAMES or len(self._listings) > LISTINGS:
+            self._forget(self._listings.popitem(last=False)[1])
+
+    def _forget(self, listing: Listing) -> None:
+        self._listed -= len(listing.names)
+        for ino in listing.names.values():
+            self._attrs.pop(ino, None)
+
+    def named(self, parent: int, name: bytes, ino: int = 0) -> None:
+        """A change of ours gave ``name`` in ``parent`` to inode ``ino`` (0: not known here)."""
+        read = self._reading.get(parent)
+        if read is not None:
+            read.own.append((True, name, ino))
+        listing = self._listings.get(parent)
+        if listing is not None:
+            self._name(listing, name, ino)
             self._listings.move_to_end(parent)
-            if len(names) > LISTING_NAMES:
-                del self._listings[parent]
+            self._trim()
 
     def unnamed(self, parent: int, name: bytes) -> None:
-        self._note_own(parent, False, name)
-        names = self._listings.get(parent)
-        if names is not None:
-            names.discard(name)
+        """A change of ours removed ``name`` from ``parent``."""
+        read = self._reading.get(parent)
+        if read is not None:
+            read.own.append((False, name, 0))
+        listing = self._listings.get(parent)
+        if listing is not None:
+            self._unname(listing, name)
 
-    def _note_own(self, parent: int, made: bool, name: bytes) -> None:
-        reading = self._reading.get(parent)
-        if reading is not None:
-            reading[1].append((made, name))
+    def drop_listing(self, ino: int) -> None:
+        """What this mount knows of ``ino``'s names is not exact any more (a read of it under way is voided)."""
+        listing = self._listings.pop(ino, None)
+        if listing is not None:
+            self._forget(listing)
+        self._reading.pop(ino, None)
 
     def forget_listings(self) -> None:
         self._listings.clear()
+        self._listed = 0
+        self._attrs.clear()
         self._reading.clear()
 
     # -------------------------------------------------------------- security.* xattrs -------
@@ -217,10 +353,10 @@ class Coherence:
             self.applied += 1
             for ino in change.inodes:
                 self._xattrs.pop(ino, None)
+                self.stale(ino)
                 invalidate_attributes(ino)
             for parent, name in change.entries:
-                self._listings.pop(parent, None)
-                self._reading.pop(parent, None)
+                self.drop_listing(parent)
                 self._foreign[parent] = now
                 self._foreign.move_to_end(parent)
                 self.on_foreign(parent)

@@ -1,7 +1,7 @@
 """Creates and removals the mount answers itself, in directories meta delegated to it (meta/delegation.py).
 
 A program that makes files one after another waits a metadata round trip per file; in a directory this mount
-holds, it does not. The mount asks for a directory's delegation after a few synchronous creates or removals there
+holds, it does not. The mount asks for a directory's delegation after a few synchronous creates there
 (:meth:`DirOps.want`), then answers ``create`` of a free name and ``unlink`` of a file it made under the grant
 from what it knows: the grant's complete listing (kept, and kept current by the mount's own changes, as any
 complete listing is: fuse/coherence.py), the directory's attributes, and inode ids meta handed to it. The changes queue in order and one task sends them in batches
@@ -46,7 +46,7 @@ from .coherence import Coherence, invalidate_attributes
 
 log = logging.getLogger(__name__)
 
-WANT_AFTER = 2  # synchronous creates or removals in a directory before its delegation is asked for
+WANT_AFTER = 2  # synchronous creates in a directory before its delegation is asked for
 USE_FRACTION = 0.6  # of a grant's lease, from the sending of the call that granted or renewed it
 REFILL_AT = ID_BLOCK // 4  # free inode ids left when another block is asked for
 BATCH = 512  # changes per apply_delegated call
@@ -122,7 +122,7 @@ class DirOps:
         attr, layout = child_attr(caller, held.attr, held.layout, stat.S_IFREG | (mode & 0o7777), ino, now)
         assert layout is not None
         session = secrets.randbits(63) if flags & os.O_ACCMODE != os.O_RDONLY else None
-        self.coherence.named(held.ino, name)
+        self.coherence.named(held.ino, name, ino)
         held.own[name] = (ino, attr.uid)
         op = CreateOp(caller, name, ino, mode & 0o7777, flags, now, layout, session)
         if session is not None:
@@ -218,7 +218,10 @@ class DirOps:
             asking[1] = False
 
     def want(self, parent: int, caller: Caller) -> None:
-        """This mount made or removed a name in ``parent`` synchronously; after a few, ask for its delegation."""
+        """This mount made a file in ``parent`` synchronously; after a few, ask for its delegation. Removals do not
+        count: a grant lets the mount answer only removals of files it made under it, so a mount that only removes
+        names would gain nothing from one, and would cost the grant's transaction (every name in the directory)
+        and, for another client that uses the directory, a recall."""
         if (self.nursery is None or parent in self._held or parent in self._asking or not self.coherence.live
                 or self._backoff.get(parent, (0.0, 0.0))[0] > trio.current_time()):
             return
@@ -399,6 +402,8 @@ class DirOps:
                   os.strerror(code) if code > 0 else "not applied")
         pyfuse3.invalidate_entry_async(held.ino, op.name, ignore_enoent=True)
         invalidate_attributes(held.ino)
+        self.coherence.drop_listing(held.ino)  # it showed the change
+        self.coherence.stale(held.ino, op.ino)
         if not held.dropped:
             self._drop(held, "a change of ours there failed")
 

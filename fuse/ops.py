@@ -34,7 +34,7 @@ from kvfs.meta.types import Attr, Caller, Layout, Opened
 
 from .cache import BLOCK as CACHE_BLOCK
 from .cache import BlockCache
-from .coherence import LISTING_NAMES, STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
+from .coherence import STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
 from .local import LocalReads
 from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, parallel, per_chunk
@@ -47,19 +47,28 @@ MIB = 1 << 20
 #: (parent, name) argument positions of the entries each namespace operation changes.
 _ENTRY_ARGS = {"create": ((0, 1),), "mknod": ((0, 1),), "mkdir": ((0, 1),), "symlink": ((0, 1),),
                "unlink": ((0, 1),), "rmdir": ((0, 1),), "link": ((1, 2),), "rename": ((0, 1), (2, 3))}
+#: Argument position of the inode whose attributes an operation changes (besides those its entries name).
+_INODE_ARG = {"setattr": 0, "setxattr": 0, "removexattr": 0, "link": 0}
 
 
 def _changes_directories(fn):
     """Marks an operation that may change directories' attributes: directory attributes kept from earlier changes
-    of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs. If it fails, its outcome may be
-    unknown (meta unreachable), so complete listings (fuse/coherence.py) are forgotten too; when it is unknown, so
-    are the kernel's entries for the names it touched: the feed leaves this mount's own changes out, so nothing else
-    would correct them before the long timeout. (Meta's own refusals, EEXIST and the like, changed nothing.)"""
+    of this mount (``KvfsOperations._fresh_dir``) are forgotten before it runs, and the attributes listings keep
+    of the inodes it touches (the directories, the inodes their names lead to) after it, whatever its outcome (the
+    feed leaves this mount's own changes out: fuse/coherence.py). If it fails, its outcome may be unknown (meta
+    unreachable), so complete listings are forgotten too; when it is unknown, so are the kernel's entries for the
+    names it touched: nothing else would correct them before the long timeout. (Meta's own refusals, EEXIST and
+    the like, changed nothing.)"""
     entry_args = _ENTRY_ARGS.get(fn.__name__, ())
+    inode_arg = _INODE_ARG.get(fn.__name__)
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
         self._fresh_dirs.clear()
+        touched = [] if inode_arg is None else [args[inode_arg]]
+        if self.coherence is not None:
+            for parent, name in entry_args:
+                touched += (args[parent], self.coherence.inode_of(args[parent], args[name]))
         try:
             return await fn(self, *args, **kwargs)
         except BaseException as exc:
@@ -71,6 +80,9 @@ def _changes_directories(fn):
                         if self.dirops is not None:
                             self.dirops.unsure(args[parent])
             raise
+        finally:
+            if self.coherence is not None:
+                self.coherence.stale(*touched)
 
     return wrapper
 
@@ -187,6 +199,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._fresh_dirs: dict[int, tuple[Attr, float]] = {}
         # directory -> [absent names meta reported since its listing was last read, how many make it read again]
         self._misses: dict[int, list[int]] = {}
+        self._listing_readers: set[int] = set()  # directories whose listing a task reads (_read_listing)
         self._closed = trio.Event()
         self._close_after = 0  # delegated changes to wait for before the queued session ends go (see _end_sessions)
 
@@ -261,8 +274,12 @@ class KvfsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode, name, ctx):
         if len(name) > NAME_MAX:  # a kernel may pass names up to FUSE_NAME_MAX (1024 bytes) on: none can exist
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        if self.coherence is not None and self.coherence.absent(parent_inode, name):
-            return self._negative(parent_inode, name)
+        if self.coherence is not None:
+            if self.coherence.absent(parent_inode, name):
+                return self._negative(parent_inode, name)
+            attr = self.coherence.entry(parent_inode, name)
+            if attr is not None:
+                return self._entry(attr, parent_inode, name)
         caller = self._caller(ctx)
         try:
             attr = await self.meta.lookup(caller, parent_inode, name)
@@ -271,12 +288,15 @@ class KvfsOperations(pyfuse3.Operations):
                 self._missed(caller, parent_inode)
                 return self._negative(parent_inode, name)
             raise
+        self._missed(caller, parent_inode)
         return self._entry(attr, parent_inode, name)
 
     def _missed(self, caller: Caller, parent: int) -> None:
-        """Meta said a name is absent from ``parent``. After a few such answers (a program making new files
-        there: each create looks its name up first) the mount reads the whole listing, so later absent names
-        are answered without a round trip (fuse/coherence.py)."""
+        """A lookup in ``parent`` had to ask meta. Every ``_LIST_AFTER_MISSES`` such lookups (a cold stat of
+        every file; a program making new files, which looks each name up first) the mount reads a page more of
+        the directory's listing with the entries' attributes, so later lookups there, of present and (once it is
+        complete) of absent names, are answered without a round trip (fuse/coherence.py). Pages double in size
+        from a small first one, so a lookup or two in a huge directory reads little of it."""
         if self.coherence is None or self.nursery is None:
             return
         counts = self._misses.get(parent)
@@ -285,36 +305,35 @@ class KvfsOperations(pyfuse3.Operations):
                 self._misses.clear()
             counts = self._misses[parent] = [0, _LIST_AFTER_MISSES]
         counts[0] += 1
-        if counts[0] >= counts[1]:
-            token = self.coherence.begin_listing(parent)
-            if token is not None:
-                counts[0] = 0
-                self.nursery.start_soon(self._read_listing, caller, parent, token, counts)
+        if counts[0] >= counts[1] and parent not in self._listing_readers:
+            self._listing_readers.add(parent)
+            self.nursery.start_soon(self._read_listing, caller, parent, counts)
 
-    async def _read_listing(self, caller: Caller, ino: int, token: object, counts: list[int]) -> None:
-        """Read ``ino``'s listing for :meth:`_missed`. The next read waits for twice as many misses as this one
-        took pages, so a directory whose listing keeps being dropped (or is too large to keep) costs at most
-        half a page per lookup more."""
+    async def _read_listing(self, caller: Caller, ino: int, counts: list[int]) -> None:
+        """Read pages of ``ino``'s listing for :meth:`_missed` while lookups there keep asking meta. A failed read
+        doubles the misses the next one waits for (a directory the caller may not read, say)."""
         assert self.coherence is not None
-        names: list[bytes] = []
-        pages = 0
-        complete = False
-        cookie = b""
         try:
-            while len(names) <= LISTING_NAMES:  # a larger listing is not kept
-                page = await self.meta.readdir(caller, ino, cookie, self.readdir_page)
-                pages += 1
-                names.extend(entry.name for entry in page.entries)
-                if page.eof:
-                    complete = True
+            while counts[0] >= counts[1] and (token := self.coherence.begin_listing(ino)) is not None:
+                counts[0] = 0
+                cookie, limit = self.coherence.next_page(ino)
+                page = None
+                try:
+                    page = await self.meta.readdir(caller, ino, cookie, limit)
+                except Exception as exc:  # noqa: BLE001 - only an optimisation failed; lookups keep asking meta
+                    log.debug("reading the listing of directory %d: %r", ino, exc)
+                    counts[1] = min(2 * counts[1], _LIST_AFTER_MISSES << 10)
+                finally:  # also when cancelled (unmount): a page not read is not kept
+                    listing = self.coherence.end_page(ino, token, page)
+                if page is not None:
+                    counts[1] = _LIST_AFTER_MISSES
+                if listing is None:
                     break
-                cookie = page.cookie
-        except Exception as exc:  # noqa: BLE001 - only an optimisation failed; lookups keep asking meta
-            log.debug("reading the listing of directory %d: %r", ino, exc)
-        finally:  # also when cancelled (unmount): an unfinished read is dropped
-            counts[1] = max(_LIST_AFTER_MISSES, 2 * pages)
-            if self.coherence.end_listing(ino, token, names if complete else None):
-                log.debug("directory %d: %d names listed, absent names are answered here", ino, len(names))
+                if listing.complete:
+                    log.debug("directory %d: %d names listed, absent names are answered here", ino,
+                              len(listing.names))
+        finally:
+            self._listing_readers.discard(ino)
 
     def _negative(self, parent: int, name: bytes) -> pyfuse3.EntryAttributes:
         """A negative entry: the kernel remembers the name is absent (for long while the feed, which invalidates
@@ -333,7 +352,7 @@ class KvfsOperations(pyfuse3.Operations):
     def _named(self, parent: int, name: bytes, attr: Attr) -> pyfuse3.EntryAttributes:
         """The reply to a change of ours that gave ``name`` in ``parent`` to ``attr``'s inode."""
         if self.coherence is not None:
-            self.coherence.named(parent, name)
+            self.coherence.named(parent, name, attr.ino)
         if self.dirops is not None:
             self.dirops.named(parent, name)
         return self._entry(attr, parent, name)
@@ -350,7 +369,9 @@ class KvfsOperations(pyfuse3.Operations):
         fresh = self._fresh_dirs.pop(inode, None)
         if fresh is not None and fresh[1] > trio.current_time():
             return self._entry(fresh[0])
-        attr = await self.meta.getattr(self._caller(ctx), inode)
+        attr = self.coherence.attr(inode) if self.coherence is not None else None
+        if attr is None:
+            attr = await self.meta.getattr(self._caller(ctx), inode)
         if self.dirops is not None and stat.S_ISDIR(attr.mode):
             self.dirops.dir_attr(inode, attr)
         return self._entry(attr)
@@ -444,11 +465,11 @@ class KvfsOperations(pyfuse3.Operations):
         if held is not None:  # a file this mount made in a directory it holds: answered here (fuse/dirops.py)
             self._fresh_dir(parent_inode, self.dirops.unlink(held, caller, name))
             return
+        # no delegation is asked for: under one, only removals of files this mount made there are answered here,
+        # and the creates of those count already (fuse/dirops.py, want)
         parent = await self.meta.unlink(caller, parent_inode, name)
         self._unnamed(parent_inode, name)
         self._fresh_dir(parent_inode, parent)
-        if self.dirops is not None:
-            self.dirops.want(parent_inode, caller)
 
     @_fuse_errors
     @_changes_directories
@@ -478,15 +499,22 @@ class KvfsOperations(pyfuse3.Operations):
     @_changes_directories
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         # pyfuse3.RENAME_NOREPLACE/EXCHANGE are Linux's values, which meta uses too
+        moved = other = 0  # the inodes the names lead to, where listings know them
+        if self.coherence is not None:
+            moved = self.coherence.inode_of(parent_inode_old, name_old)
+            other = self.coherence.inode_of(parent_inode_new, name_new)
         await self.meta.rename(self._caller(ctx), parent_inode_old, name_old, parent_inode_new, name_new, flags)
-        if flags & pyfuse3.RENAME_EXCHANGE:  # both names stay, for other inodes
+        if flags & pyfuse3.RENAME_EXCHANGE:  # both names stay, for each other's inodes
+            if self.coherence is not None:
+                self.coherence.named(parent_inode_old, name_old, other)
+                self.coherence.named(parent_inode_new, name_new, moved)
             if self.dirops is not None:
                 self.dirops.named(parent_inode_old, name_old)
                 self.dirops.named(parent_inode_new, name_new)
             return
         self._unnamed(parent_inode_old, name_old)
         if self.coherence is not None:
-            self.coherence.named(parent_inode_new, name_new)
+            self.coherence.named(parent_inode_new, name_new, moved)
         if self.dirops is not None:
             self.dirops.named(parent_inode_new, name_new)
 
@@ -662,7 +690,11 @@ class KvfsOperations(pyfuse3.Operations):
                 old = (await self.meta.getattr(caller, inode)).size
         # hold: a read-only open keeps the file from meta's GC too, so it stays readable after another process
         # (here or on another host) removes or replaces its last name, as POSIX promises
-        opened = await self.meta.open(caller, inode, flags, hold=True)
+        try:
+            opened = await self.meta.open(caller, inode, flags, hold=True)
+        finally:
+            if flags & os.O_TRUNC and self.coherence is not None:  # the size, mtime and ctime change
+                self.coherence.stale(inode)
         fi = await self._attach(caller, opened, flags)
         if flags & os.O_TRUNC and stat.S_ISREG(opened.attr.mode):
             st = self._inodes[inode]
@@ -796,8 +828,12 @@ class KvfsOperations(pyfuse3.Operations):
         it is flushed: until then the changed file would still be set-id."""
         h.set_id = False
         assert h.session is not None
-        await self.meta.report_length(h.caller, h.state.ino, h.session, 0)
-        invalidate_attributes(h.state.ino)
+        try:
+            await self.meta.report_length(h.caller, h.state.ino, h.session, 0)
+        finally:
+            if self.coherence is not None:
+                self.coherence.stale(h.state.ino)
+            invalidate_attributes(h.state.ino)
 
     @staticmethod
     async def _drop_pages_of_other_opens(h: Handle) -> None:
@@ -826,13 +862,16 @@ class KvfsOperations(pyfuse3.Operations):
             if self.dirops is not None:  # the file's create, if answered here, is durable once applied
                 nursery.start_soon(self.dirops.settled)
         if h.session is not None:
-            await self.meta.set_length(h.caller, st.ino, h.session, st.size)
-            self._attributes_changed_here(st.ino)
+            try:
+                await self.meta.set_length(h.caller, st.ino, h.session, st.size)
+            finally:
+                self._attributes_changed_here(st.ino)
 
     def _attributes_changed_here(self, ino: int) -> None:
         """Meta changed attributes the kernel did not change itself (a length report sets size and mtime). The
         feed leaves out this mount's own changes, so the kernel's copy, perhaps kept for long, is dropped here."""
         if self.coherence is not None:
+            self.coherence.stale(ino)
             invalidate_attributes(ino)
 
     @_fuse_errors
@@ -907,7 +946,7 @@ class KvfsOperations(pyfuse3.Operations):
 
 
 _CLOSE_BATCH = 256
-_LIST_AFTER_MISSES = 4  # absent names meta reported in a directory before the mount reads its listing
+_LIST_AFTER_MISSES = 2  # lookups in a directory that asked meta before the mount reads (more of) its listing
 _MISSES_KEPT = 4096  # directories whose misses are counted (all are forgotten when more come)
 _CACHED_READ = 128 * 1024  # reads up to this size go through the read cache; larger ones stream past it
 _CLOSE_LINGER = 0.02  # seconds

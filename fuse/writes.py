@@ -250,8 +250,10 @@ class WriteBack:
         st = h.state
         st.size = max(st.size, end)
         if h.session is not None:
-            await self.meta.report_length(h.caller, st.ino, h.session, end)
-            self._reported(st.ino)
+            try:
+                await self.meta.report_length(h.caller, st.ino, h.session, end)
+            finally:  # a report whose answer was lost may have changed them too
+                self._reported(st.ino)
 
     @staticmethod
     async def _wait_inflight(h: Handle) -> None:

@@ -98,6 +98,7 @@ class Inode(msgspec.Struct):
     layout: Layout | None = None  # files: their own; directories: what new children copy
     target: bytes | None = None  # symlinks
     written: bool = True  # False: no write session was ever opened on it, so no chunk of it exists anywhere
+    grant: int = 0  # the epoch of the delegation its creator made it under (0: none): see meta/delegation.py, rule 5
 
 
 class DirEntry(msgspec.Struct, array_like=True):

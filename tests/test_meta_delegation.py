@@ -65,7 +65,7 @@ def test_a_grant_carries_the_listing_and_excludes_other_clients(ms, d):
     assert grant.names == [b"old"] and grant.attr.ino == d and grant.layout == Layout()
     assert not ms.delegate(B, d).granted  # held: no error, just no grant
     for op in (lambda: ms.lookup(B, d, b"old"), lambda: ms.readdir(B, d), lambda: ms.getattr(B, d),
-               lambda: ms.create(B, d, b"new", 0o644), lambda: ms.unlink(B, d, b"old"),
+               lambda: ms.create(B, d, b"new", 0o644), lambda: ms.unlink(B, d, b"new"),
                lambda: ms.setattr(B, d, mode=0o700), lambda: ms.rmdir(B, 1, b"d"),
                lambda: ms.rename(B, 1, b"x", d, b"y")):
         with pytest.raises(DelegationHeld) as info:
@@ -76,6 +76,32 @@ def test_a_grant_carries_the_listing_and_excludes_other_clients(ms, d):
     assert ms.undelegate(A, [d]) == 1 and ms.undelegate(A, [d]) == 0
     assert ms.lookup(B, d, b"old").ino
     assert ms.delegate(B, d).granted
+
+
+def test_another_client_removes_a_file_the_holder_did_not_make_without_a_recall(ms, d, clock):
+    """Rule 5: the holder answers removals only of files it made under its grant and creates only of names its
+    listing lacks, so another client's removal of any other file's name needs no recall. A name the holder made
+    under the grant (it may have removed it already), an absent one (it may have made it) and a directory still
+    wait for the holder."""
+    ms.create(A, d, b"before", 0o644)
+    ms.create(B, d, b"theirs", 0o644)
+    ms.mkdir(A, d, b"sub", 0o755)
+    grant = ms.delegate(A, d)
+    assert ms.apply_delegated(A, d, grant.epoch, [create_op(grant, b"made", 0, clock)]) == [0]
+    ms.create(A, d, b"after", 0o644)  # the holder's own synchronous create: not made under the grant either
+    for name in (b"before", b"theirs", b"after"):
+        ms.unlink(B, d, name)  # no DelegationHeld
+    for op in (lambda: ms.unlink(B, d, b"made"), lambda: ms.unlink(B, d, b"absent"), lambda: ms.rmdir(B, d, b"sub"),
+               lambda: ms.unlink(B, d, b"sub")):
+        with pytest.raises(DelegationHeld):
+            op()
+    assert ms.apply_delegated(A, d, grant.epoch, [UnlinkOp(A, b"made", grant.ids, clock())]) == [0]  # still held
+    assert sorted(e.name for e in ms.readdir(A, d).entries) == [b"sub"]
+    clock.advance(LEASE)  # lapsed: broken first as ever, so the holder's late changes cannot follow the removal
+    ms.create(A, d, b"late", 0o644)
+    with pytest.raises(DelegationHeld) as held:
+        ms.unlink(B, d, b"late")
+    assert held.value.lapsed
 
 
 def test_a_grant_lapses_without_renewal(ms, d, clock):

@@ -2,7 +2,8 @@
 
 A holder answers creates and removals in a directory itself and queues them; another client creates, removes and
 lists names there, and every one of its calls that finds the grant recalls it (the holder sends its queue and
-gives the directory back, as fuse/dirops.py does), then retries. Time moves on at random, so grants lapse, with or
+gives the directory back, as fuse/dirops.py does), then retries; only its removal of a file the holder did not make
+under the grant goes ahead at once, and the holder gives the directory back once the feed tells it. Time moves on at random, so grants lapse, with or
 without changes still queued. The model is the namespace as clients were told it, in the order they were told:
 what the other client sees must always be the model, except that changes the holder had not sent when its grant
 lapsed are lost (and only those); meta's invariants must hold throughout.
@@ -195,6 +196,9 @@ class Delegations(RuleBasedStateMachine):
             return
         assert name in self.model
         del self.model[name]
+        if self.grant is not None:  # removed without a recall (rule 5): never a file the holder made under its grant
+            assert name not in self.own
+            self._recall()  # the holder hears of it in the feed, and gives the directory back (fuse/dirops.py)
 
     @rule()
     def other_lists(self) -> None:

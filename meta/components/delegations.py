@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import random
 import secrets
+import stat
 from typing import Callable
 
 import msgspec
@@ -20,7 +21,7 @@ from kvfs.meta.components.ids import InodeIds
 from kvfs.meta.delegation import BLOCKS_KEPT, MAX_DELEGATED_NAMES, DelegationHeld
 from kvfs.meta.feed import ORIGIN, FeedDatabase
 from kvfs.meta.posix import errno_error
-from kvfs.meta.records import encoder
+from kvfs.meta.records import encoder, get_entry, get_inode
 from kvfs.meta.types import ID_SHARDS, Caller, Change, Delegated, Delegation, Inode, Layout
 
 _dec_delegation = msgspec.msgpack.Decoder(Delegation)
@@ -38,9 +39,10 @@ class Delegations:
         raw = tr.get(schema.delegation(directory))
         return None if raw is None else _dec_delegation.decode(raw)
 
-    def check(self, tr: Transaction, caller: Caller, directory: int) -> None:
+    def check(self, tr: Transaction, caller: Caller, directory: int, *, removing: bytes | None = None) -> None:
         """Raise :class:`DelegationHeld` if another client holds ``directory``: it may have answered changes there
-        that meta has not seen yet (meta/delegation.py)."""
+        that meta has not seen yet (meta/delegation.py). ``removing``: the caller removes that name of a
+        non-directory, which may go ahead under a live grant if its inode was not made under it (rule 5)."""
         held = self._held(tr, directory)
         if held is None:
             return
@@ -48,7 +50,10 @@ class Delegations:
             return
         # a lapsed one is broken first (break_lapsed, its own transaction), so its holder's late changes cannot
         # follow what this caller sees
-        raise DelegationHeld(directory, lapsed=held.expires_ns <= self._clock())
+        lapsed = held.expires_ns <= self._clock()
+        if removing is not None and not lapsed and _made_outside(tr, directory, removing, held.epoch):
+            return
+        raise DelegationHeld(directory, lapsed=lapsed)
 
     def grant(self, tr: Transaction, caller: Caller, pdir: Inode, layout: Layout, epoch: int) -> Delegated:
         """Grant directory ``pdir`` (whose new files get ``layout``) to the caller's client, or with ``epoch`` renew
@@ -121,3 +126,13 @@ class Delegations:
             self.break_lapsed(held.directory)
         else:
             self.recall(held.directory)
+
+
+def _made_outside(tr: Transaction, directory: int, name: bytes, epoch: int) -> bool:
+    """Whether ``name`` in ``directory`` names a non-directory that grant ``epoch``'s holder did not make: the holder
+    answers removals only of files it made under its grant, and creates only of names its listing lacks, so it
+    cannot have answered anything about this name that meta has not seen."""
+    entry = get_entry(tr, directory, name)
+    if entry is None or stat.S_ISDIR(entry.type):
+        return False
+    return get_inode(tr, entry.ino).grant != epoch

@@ -48,11 +48,13 @@ class OpsBase:
         """The layout of a file, or the one a directory gives its new children."""
         return inode.layout or self._root_layout
 
-    def _dir(self, tr: Transaction, caller: Caller, ino: int, want: int = X_OK) -> Inode:
-        """A live directory the caller has ``want`` access to (search by default), not delegated to another client."""
+    def _dir(self, tr: Transaction, caller: Caller, ino: int, want: int = X_OK, *,
+             removing: bytes | None = None) -> Inode:
+        """A live directory the caller has ``want`` access to (search by default), not delegated to another client
+        (unless the caller is ``removing`` a name the holder cannot have touched: Delegations.check)."""
         inode = get_live(tr, ino)
         if not is_dir(inode):
             raise errno_error(errno.ENOTDIR, f"inode {ino}")
-        self._delegations.check(tr, caller, ino)
+        self._delegations.check(tr, caller, ino, removing=removing)
         require_access(caller, inode.attr, want)
         return inode

@@ -95,6 +95,6 @@ class DelegationOps(EntryOps):
         if msgspec.structs.replace(self._layout(pdir), seed=op.layout.seed) != op.layout:
             raise errno_error(errno.ESTALE, f"directory {pdir.attr.ino} gives new files another layout than {op.layout}")
         inode = self._make(tr, who, pdir.attr.ino, name, stat.S_IFREG | (op.mode & 0o7777), op.ino,
-                           seed=op.layout.seed, parent_inode=pdir, written=op.session is not None)
+                           seed=op.layout.seed, parent_inode=pdir, written=op.session is not None, grant=held.epoch)
         if op.session is not None:  # None: the holder ended it before sending the create (nothing was written)
             self._sessions.start(tr, who, inode, op.flags, sid=op.session)

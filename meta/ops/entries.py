@@ -67,11 +67,12 @@ class EntryOps(OpsBase):
 
     def _make(self, tr: Transaction, caller: Caller, parent: int, name: bytes, mode: int, ino: int,
               *, rdev: int = 0, target: bytes | None = None, seed: int | None = None,
-              parent_inode: Inode | None = None, written: bool = False) -> Inode:
+              parent_inode: Inode | None = None, written: bool = False, grant: int = 0) -> Inode:
         """Create inode ``ino`` named ``name`` in ``parent``: owner is the caller, the group and
         (for directories) the setgid bit come from a setgid parent, layout is the parent's
         (regular files get their own random seed). ``parent_inode``: the directory, loaded by a caller that makes
-        several changes in it and stores it once at the end. ``written``: a write session starts with it."""
+        several changes in it and stores it once at the end. ``written``: a write session starts with it.
+        ``grant``: the epoch of the delegation whose holder made it (meta/delegation.py, rule 5)."""
         pdir = parent_inode or self._dir(tr, caller, parent)
         if get_entry(tr, parent, name) is not None:
             raise errno_error(errno.EEXIST, repr(name))
@@ -79,7 +80,8 @@ class EntryOps(OpsBase):
         is_dir = stat.S_ISDIR(mode)
         attr, layout = child_attr(caller, pdir.attr, self._layout(pdir), mode, ino, self._now(),
                                   rdev=rdev, target=target, seed=seed)
-        inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target, written=written)
+        inode = Inode(attr, parent=parent if is_dir else 0, layout=layout, target=target, written=written,
+                      grant=grant)
         put_inode(tr, inode)
         link_entry(tr, parent, name, inode)
         if is_dir:
@@ -156,7 +158,8 @@ class EntryOps(OpsBase):
 
     def _remove(self, tr: Transaction, caller: Caller, parent: int, name: bytes, want_dir: bool,
                 parent_inode: Inode | None = None) -> Attr:
-        pdir = parent_inode or self._dir(tr, caller, parent)  # see _make
+        # see _make; another client's grant of the directory does not stop the removal of a file made outside it
+        pdir = parent_inode or self._dir(tr, caller, parent, removing=None if want_dir else name)
         _, inode = get_child(tr, parent, name)
         require_access(caller, pdir.attr, W_OK | X_OK)
         require_sticky(caller, pdir, inode)
