@@ -232,8 +232,11 @@ class Coherence:
                 self._unname(listing, name)
 
     def _name(self, listing: Listing, name: bytes, ino: int) -> None:
-        if name not in listing.names:
+        replaced = listing.names.get(name)
+        if replaced is None:
             self._listed += 1
+        elif replaced != ino:  # a rename over it: the replaced inode lost a link (its nlink and ctime changed)
+            self._attrs.pop(replaced, None)
         listing.names[name] = ino
 
     def _unname(self, listing: Listing, name: bytes) -> None:
