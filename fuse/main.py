@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import trio
@@ -13,15 +14,19 @@ from kvfs.craq.client import MgmtdClient
 from kvfs.errors import AuthError, KvfsError
 from kvfs.meta.client import RemoteMeta
 from kvfs.meta.types import Caller
-from kvfs.rpc import RpcClient
-from kvfs.service import setup_logging
+from kvfs.rpc import RpcClient, parse_address
+from kvfs.service import serve_http, setup_logging
 from kvfs.transport import shm
 
 from .mount import run_mount
 
+log = logging.getLogger(__name__)
 
-def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INFO", **options: object) -> None:
-    """Mount until SIGTERM/SIGINT or an external unmount."""
+
+def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INFO", http: str | None = None,
+                **options: object) -> None:
+    """Mount until SIGTERM/SIGINT or an external unmount; with ``http`` (host:port, port 0: any), serve
+    ``/metrics`` there too (how many calls reach meta: ``kvfs_meta_client_calls_total``)."""
     setup_logging(log_level)
     if not config.meta or not config.mgmtd:
         raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses to mount")
@@ -39,6 +44,10 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(meta.keep_alive)
                 nursery.start_soon(shm.give_back_idle, 2.0, 5.0)  # write buffers back 5 s after the last write
+                if http:
+                    host, port = parse_address(http)
+                    port = await nursery.start(serve_http, host, port, lambda: {"ok": True})
+                    log.info("metrics on http://%s:%d/metrics", host, port)
                 await run_mount(meta, storage, mountpoint, **options)
                 nursery.cancel_scope.cancel()
             rpc.close()

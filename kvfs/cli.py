@@ -140,13 +140,15 @@ def chunkserver_cmd(config_path: str | None, log_level: str, node_id: int, liste
               help="Answer creates and removals in directories meta delegates to this mount without waiting for "
                    "meta (sent in batches within milliseconds; needs the change feed). --no-delegations: every "
                    "namespace change waits for meta.")
+@click.option("--http", "http_address", default=None,
+              help="host:port for /metrics and /health (port 0: any free one, logged).")
 @click.option("--short-circuit/--no-short-circuit", default=None,
               help="Read chunks that have a replica on this host from the chunk server's files, checked against "
                    "their CRCs, instead of asking the server for the bytes  [default: on, unless "
                    "KVFS_SHORT_CIRCUIT=0]")
 def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahead_kb: int, max_background: int,
               attr_timeout: float, entry_timeout: float, negative_timeout: float, read_cache_mb: int,
-              coherent_timeout: float, delegations: bool, short_circuit: bool | None) -> None:
+              coherent_timeout: float, delegations: bool, http_address: str | None, short_circuit: bool | None) -> None:
     """Mount kvfs at MOUNTPOINT (runs in the foreground until unmounted or signalled).
 
     The mount follows meta's change feed: other clients' changes reach the kernel's caches within
@@ -156,7 +158,8 @@ def mount_cmd(config_path: str | None, log_level: str, mountpoint: str, read_ahe
     from kvfs.fuse.main import serve_mount
 
     config = _load(config_path)
-    _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, read_ahead_kb=read_ahead_kb,
+    _fail_cleanly(lambda: serve_mount(config, mountpoint, log_level=log_level, http=http_address,
+                                      read_ahead_kb=read_ahead_kb,
                                       max_background=max_background,
                                       attr_timeout=attr_timeout, entry_timeout=entry_timeout,
                                       negative_timeout=negative_timeout, read_cache=read_cache_mb << 20,

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
+import prometheus_client
 import trio
 
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
@@ -27,6 +28,9 @@ from kvfs.meta.types import Caller, ChangePage
 
 log = logging.getLogger(__name__)
 _FIRST_LEASE_GUESS = 20.0  # seconds; only until meta has answered once
+#: What this client asks meta for, by operation: how many calls a cache saves shows here (``kvfs mount --http``).
+META_CALLS = prometheus_client.Counter("kvfs_meta_client_calls", "Calls this client made to meta", ["method"])
+_meta_call_counter = functools.cache(META_CALLS.labels)
 
 
 class RemoteMeta:
@@ -79,6 +83,7 @@ class RemoteMeta:
         """Try instances in turn. A call that may have run is retried too: idempotent methods run again
         harmlessly, and the others carry an op id under which meta answers a retry with the first answer
         (:meth:`kvfs.meta.store.MetaStore.answering_once`)."""
+        _meta_call_counter(method.name).inc()
         error: Exception | None = None
         retry_safe = method.idempotent or bool(getattr(request, "op_id", b""))
         for attempt in range(self._rounds * len(self._addresses)):
