@@ -14,7 +14,9 @@ cold stat, or the kernel's lookup before ``open(O_CREAT)`` of a new name, then n
 kernel's caches does not drop these. A listing stays true only while this mount's own changes update it and no
 other client touches the directory: a foreign change of any of its entries, a lapse, or a failed change of our
 own (its outcome may be unknown) drops it; a foreign change of an inode drops its attributes, and so does any
-change of ours (:meth:`Coherence.stale`). A create that raced another client's create of the same name reaches
+change of ours (:meth:`Coherence.stale`), until a lookup brings meta's again (:meth:`Coherence.keep_entry`). An
+inode may be listed under one name and lose another in a directory no listing holds: :meth:`Coherence.stale_linked`.
+A create that raced another client's create of the same name reaches
 meta, which decides. A page read from meta counts only if no other client touched the directory while it was on
 its way (any entry change the feed applies meanwhile voids it); this mount's own changes meanwhile are replayed
 on top of it, and attributes dropped meanwhile are not taken from it.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -78,6 +81,7 @@ class _Read:
 
     own: list[tuple[bool, bytes, int]] = field(default_factory=list)
     stale: set[int] = field(default_factory=set)
+    linked_stale: bool = False  # and so were those of every inode with more than one name (:meth:`stale_linked`)
 
 
 class Coherence:
@@ -89,11 +93,13 @@ class Coherence:
         self.grace = grace
         self.live = False
         self.applied = 0  # foreign changes applied so far
+        self.changes = 0  # stale() calls so far: attributes meta gave before one are not kept (keep_entry)
         self._names: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._inodes: OrderedDict[int, None] = OrderedDict()
         self._listings: OrderedDict[int, Listing] = OrderedDict()
         self._listed = 0  # names in them
         self._attrs: dict[int, Attr] = {}  # inode -> the attributes meta listed, while nothing changed them
+        self._linked: set[int] = set()  # those of them with more than one name (not directories): see stale_linked
         self._reading: dict[int, _Read] = {}  # directory -> the read of its listing under way (it is the token)
         self._foreign: OrderedDict[int, float] = OrderedDict()  # directory -> when another client last changed it
         self._xattrs: OrderedDict[int, dict[bytes, bytes | None]] = OrderedDict()  # ino -> security.* answers
@@ -147,11 +153,39 @@ class Coherence:
 
     def stale(self, *inodes: int) -> None:
         """The attributes of ``inodes`` changed, or may have: by this mount (the feed leaves its changes out), or by
-        another client. A listing's page on its way does not bring them back."""
+        another client. A listing's page or a lookup on its way does not bring them back."""
+        self.changes += 1
         for ino in inodes:
-            self._attrs.pop(ino, None)
+            self._drop_attr(ino)
             for read in self._reading.values():
                 read.stale.add(ino)
+
+    def stale_linked(self) -> None:
+        """This mount removed or replaced a name whose inode no listing knows (its directory is not listed): that
+        inode's attributes changed (nlink, ctime), and a listing of a directory with another of its names may hold
+        them. Only an inode with more than one name can be listed elsewhere, so those are dropped."""
+        self.stale(*self._linked)
+        for read in self._reading.values():
+            read.linked_stale = True
+
+    def keep_entry(self, parent: int, name: bytes, attr: Attr, seen: int) -> None:
+        """Meta answered a lookup of ``name`` in ``parent`` with ``attr``; ``seen`` was :attr:`changes` when it was
+        asked. Where a listing holds that name for that inode (its attributes were dropped by a change), keep them
+        again, unless a change was applied since: a file another client changed would else cost a meta call at
+        every cold stat until the listing is read again."""
+        listing = self._listings.get(parent)
+        if (self.live and seen == self.changes and STARTED.get() == self.applied and listing is not None
+                and listing.names.get(name) == attr.ino):
+            self._keep_attr(attr)
+
+    def _keep_attr(self, attr: Attr) -> None:
+        self._attrs[attr.ino] = attr
+        if _has_other_names(attr):
+            self._linked.add(attr.ino)
+
+    def _drop_attr(self, ino: int) -> None:
+        self._attrs.pop(ino, None)
+        self._linked.discard(ino)
 
     def listing_made(self, ino: int) -> None:
         """This mount created directory ``ino``: its (empty) listing is complete."""
@@ -193,8 +227,8 @@ class Coherence:
         self._listings.move_to_end(ino)
         for entry in page.entries:
             self._name(listing, entry.name, entry.attr.ino)
-            if entry.attr.ino not in read.stale:
-                self._attrs[entry.attr.ino] = entry.attr
+            if entry.attr.ino not in read.stale and not (read.linked_stale and _has_other_names(entry.attr)):
+                self._keep_attr(entry.attr)
         self._replay(listing, read)
         listing.cookie, listing.complete = page.cookie, page.eof
         listing.pages += 1
@@ -236,14 +270,14 @@ class Coherence:
         if replaced is None:
             self._listed += 1
         elif replaced != ino:  # a rename over it: the replaced inode lost a link (its nlink and ctime changed)
-            self._attrs.pop(replaced, None)
+            self._drop_attr(replaced)
         listing.names[name] = ino
 
     def _unname(self, listing: Listing, name: bytes) -> None:
         ino = listing.names.pop(name, None)
         if ino is not None:
             self._listed -= 1
-            self._attrs.pop(ino, None)
+            self._drop_attr(ino)
 
     def _keep(self, ino: int, listing: Listing) -> None:
         old = self._listings.pop(ino, None)
@@ -252,7 +286,7 @@ class Coherence:
             kept = set(listing.names.values())
             for gone in old.names.values():
                 if gone not in kept:
-                    self._attrs.pop(gone, None)
+                    self._drop_attr(gone)
         self._listings[ino] = listing
         self._listed += len(listing.names)
         self._trim()
@@ -264,7 +298,7 @@ class Coherence:
     def _forget(self, listing: Listing) -> None:
         self._listed -= len(listing.names)
         for ino in listing.names.values():
-            self._attrs.pop(ino, None)
+            self._drop_attr(ino)
 
     def named(self, parent: int, name: bytes, ino: int = 0) -> None:
         """A change of ours gave ``name`` in ``parent`` to inode ``ino`` (0: not known here)."""
@@ -297,6 +331,7 @@ class Coherence:
         self._listings.clear()
         self._listed = 0
         self._attrs.clear()
+        self._linked.clear()
         self._reading.clear()
 
     # -------------------------------------------------------------- security.* xattrs -------
@@ -389,6 +424,12 @@ def _ignore(_: int) -> None:
 
 def _nothing() -> None:
     pass
+
+
+def _has_other_names(attr: Attr) -> bool:
+    """Whether a name elsewhere may lead to this inode: a file with more than one link (a directory's nlink
+    counts its subdirectories)."""
+    return attr.nlink > 1 and not stat.S_ISDIR(attr.mode)
 
 
 def _remember(cache: OrderedDict, key: Any) -> None:

@@ -49,6 +49,8 @@ _ENTRY_ARGS = {"create": ((0, 1),), "mknod": ((0, 1),), "mkdir": ((0, 1),), "sym
                "unlink": ((0, 1),), "rmdir": ((0, 1),), "link": ((1, 2),), "rename": ((0, 1), (2, 3))}
 #: Argument position of the inode whose attributes an operation changes (besides those its entries name).
 _INODE_ARG = {"setattr": 0, "setxattr": 0, "removexattr": 0, "link": 0}
+#: Operations that may take a name from an inode with other names (its nlink and ctime change).
+_REMOVES_NAMES = frozenset({"unlink", "rename"})
 
 
 def _changes_directories(fn):
@@ -58,17 +60,22 @@ def _changes_directories(fn):
     feed leaves this mount's own changes out: fuse/coherence.py). If it fails, its outcome may be unknown (meta
     unreachable), so complete listings are forgotten too; when it is unknown, so are the kernel's entries for the
     names it touched: nothing else would correct them before the long timeout. (Meta's own refusals, EEXIST and
-    the like, changed nothing.)"""
+    the like, changed nothing.) A name removed in a directory no listing holds leads to an inode the mount does
+    not know, which a listing elsewhere may hold under another name: ``Coherence.stale_linked``."""
     entry_args = _ENTRY_ARGS.get(fn.__name__, ())
     inode_arg = _INODE_ARG.get(fn.__name__)
+    removes_names = fn.__name__ in _REMOVES_NAMES
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):
         self._fresh_dirs.clear()
         touched = [] if inode_arg is None else [args[inode_arg]]
+        unknown = False  # a name it removes leads to an inode no listing names
         if self.coherence is not None:
             for parent, name in entry_args:
-                touched += (args[parent], self.coherence.inode_of(args[parent], args[name]))
+                ino = self.coherence.inode_of(args[parent], args[name])
+                touched += (args[parent], ino)
+                unknown = unknown or removes_names and not ino
         try:
             return await fn(self, *args, **kwargs)
         except BaseException as exc:
@@ -83,6 +90,8 @@ def _changes_directories(fn):
         finally:
             if self.coherence is not None:
                 self.coherence.stale(*touched)
+                if unknown:
+                    self.coherence.stale_linked()
 
     return wrapper
 
@@ -281,6 +290,7 @@ class KvfsOperations(pyfuse3.Operations):
             if attr is not None:
                 return self._entry(attr, parent_inode, name)
         caller = self._caller(ctx)
+        seen = 0 if self.coherence is None else self.coherence.changes
         try:
             attr = await self.meta.lookup(caller, parent_inode, name)
         except OSError as e:
@@ -289,6 +299,8 @@ class KvfsOperations(pyfuse3.Operations):
                 return self._negative(parent_inode, name)
             raise
         self._missed(caller, parent_inode)
+        if self.coherence is not None:
+            self.coherence.keep_entry(parent_inode, name, attr, seen)
         return self._entry(attr, parent_inode, name)
 
     def _missed(self, caller: Caller, parent: int) -> None:

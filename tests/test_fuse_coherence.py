@@ -9,7 +9,7 @@ import pyfuse3
 import pytest
 
 from kvfs.fuse.coherence import STARTED, UNKNOWN, Coherence
-from kvfs.meta.types import Change, ChangePage
+from kvfs.meta.types import Attr, Change, ChangePage, DirPage, Entry
 
 
 def test_long_timeouts_only_while_live_and_only_for_replies_no_change_overtook():
@@ -110,6 +110,50 @@ def test_a_listing_read_from_meta_counts_only_if_no_other_client_touched_the_dir
     c.forget_listings()
     token = c.begin_listing(5)
     assert not c.end_listing(5, token, None) and c.begin_listing(5) is not None  # a failed read keeps nothing
+
+
+def test_removing_a_name_whose_inode_is_unknown_drops_the_listed_attributes_of_every_inode_with_other_names():
+    """A name removed in a directory no listing holds may be another name of an inode listed elsewhere (a hard
+    link): its listed nlink would be stale. Only inodes with more than one name can be such; directories (whose
+    nlink counts subdirectories) and single names keep theirs, and a page on its way brings none back."""
+    c = Coherence(60.0)
+    c.live = True
+    files = [Attr(ino=10, mode=0o100644, nlink=2, uid=0, gid=0), Attr(ino=11, mode=0o100644, nlink=1, uid=0, gid=0),
+             Attr(ino=12, mode=0o40755, nlink=3, uid=0, gid=0)]
+    page = DirPage([Entry(f"n{a.ino}".encode(), a) for a in files], b"", True)
+    assert c.end_page(3, c.begin_listing(3), page) is not None
+    c.stale_linked()
+    assert c.attr(10) is None and c.attr(11) == files[1] and c.attr(12) == files[2]
+    c.drop_listing(3)
+    token = c.begin_listing(3)
+    c.stale_linked()  # while the page is read: it may predate the removal
+    assert c.end_page(3, token, page) is not None
+    assert c.attr(10) is None and c.attr(11) == files[1] and c.entry(3, b"n12") == files[2]
+
+
+def test_a_lookup_answer_refills_dropped_listed_attributes_unless_a_change_overtook_it():
+    """After a change drops a listed name's attributes, meta's next answer for it is kept again, so a file another
+    client changed costs one meta call, not one at every cold stat; an answer a change overtook is not kept, nor
+    one for a name no listing holds, or one the listing names another inode with."""
+    c = Coherence(60.0)
+    c.live = True
+    old, new = Attr(ino=10, mode=0o100644, nlink=1, uid=0, gid=0), Attr(ino=10, mode=0o100600, nlink=1, uid=0, gid=0)
+    assert c.end_page(3, c.begin_listing(3), DirPage([Entry(b"f", old)], b"", True)) is not None
+    STARTED.set(c.applied)
+    c.stale(10)
+    seen = c.changes
+    c.stale(11)  # any change while the lookup was on its way
+    c.keep_entry(3, b"f", new, seen)
+    assert c.entry(3, b"f") is None
+    c.keep_entry(3, b"f", new, c.changes)
+    assert c.entry(3, b"f") == new
+    c.stale(10)
+    c.keep_entry(3, b"g", new, c.changes)  # not a name the listing holds
+    c.keep_entry(3, b"f", Attr(ino=12, mode=0o100644, nlink=1, uid=0, gid=0), c.changes)  # another inode
+    assert c.attr(10) is None and c.attr(12) is None
+    c.apply(ChangePage(b"c", [Change(b"other", 0, [99], [])], False, False))  # a foreign change since it started
+    c.keep_entry(3, b"f", new, c.changes)
+    assert c.attr(10) is None
 
 
 def test_a_name_over_name_max_is_enametoolong_even_where_a_kept_listing_answers_absent_names(tmp_path):
