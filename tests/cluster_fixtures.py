@@ -190,6 +190,9 @@ def second_mount(cluster, path, *options: str, log=None):
         daemon.terminate()
         try:
             daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()  # a daemon that will not stop: its mount is left answering ENOTCONN, cleared below
+            daemon.wait(10)
         finally:
             if is_mounted(path):
                 subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
