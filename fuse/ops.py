@@ -883,7 +883,8 @@ class KvfsOperations(pyfuse3.Operations):
                 nursery.start_soon(self.dirops.settled)
         if h.session is not None:
             try:
-                await self.meta.set_length(h.caller, st.ino, h.session, st.size)
+                async with st.exact_length:  # st.size read inside: the last to reach meta is the newest
+                    await self.meta.set_length(h.caller, st.ino, h.session, st.size)
             finally:
                 self._attributes_changed_here(st.ino)
 

@@ -47,6 +47,9 @@ class InodeState:
     stamp: Stamp = (0, 0)  # (mtime_ns, size) meta gave at the latest open: what cached blocks are read under
     changes: int = 0  # local writes and truncations so far: a cache fill that raced one must not be kept
     handles: set = field(default_factory=set)
+    #: held while an exact length goes to meta (fsync): two opens' fsyncs side by side would otherwise race, and an
+    #: older, shorter length taken first could reach meta last and cut off what the other open wrote
+    exact_length: trio.Lock = field(default_factory=trio.Lock)
 
     def dirty(self) -> bool:
         """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
