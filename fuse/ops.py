@@ -37,7 +37,7 @@ from .cache import BlockCache
 from .coherence import STARTED, UNKNOWN, Coherence, invalidate_attributes, invalidate_kernel_cache
 from .dirops import DirOps, Ordered
 from .local import LocalReads
-from .writes import FLUSH_DEPTH, Handle, InodeState, WriteBack, parallel, per_chunk
+from .writes import FLUSH_DEPTH, DirtyRuns, Handle, InodeState, WriteBack, parallel, per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class KvfsOperations(pyfuse3.Operations):
             self.coherence.on_lapse = self.dirops.lapse
             self.coherence.on_foreign = self.dirops.unsure
         self.writes = WriteBack(self.meta, storage, write_buffer=write_buffer, flush_depth=flush_depth,
-                                write_parallel=write_parallel, changed=self._changed,
+                                write_parallel=write_parallel, changed=self._changed, wrote=self._wrote,
                                 reported=self._attributes_changed_here)
         self._groups: OrderedDict[tuple[int, int], tuple[float, tuple[int, ...]]] = OrderedDict()
         self._layouts: OrderedDict[int, Layout] = OrderedDict()
@@ -764,19 +764,32 @@ class KvfsOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         h = self._handle(fh)
         st = h.state
-        if st.dirty():
-            await self.writes.flush_inode(st)
         end = min(off + size, st.size)
         if end <= off:
             return b""
-        if self.cache is not None and end - off <= _CACHED_READ:
-            return await self._read_cached(st, off, end)
-        out = RECEIVED.take(end - off)  # every byte is filled below (holes as zeros by storage.read)
-        await per_chunk(self.storage.read, st.ino, st.layout, off, memoryview(out), self.read_limit)
+        cached = self.cache is not None and end - off <= _CACHED_READ
+        over: list[DirtyRuns] | None = []
+        if st.dirty():  # the cache fetches whole blocks, and keeps them only if no write here is pending in them
+            lo, hi = (off // CACHE_BLOCK * CACHE_BLOCK, -(-end // CACHE_BLOCK) * CACHE_BLOCK) if cached else (off, end)
+            over = self.writes.gathered_over(st, lo, hi)
+            if over is None:
+                await self.writes.flush_inode(st)
+                over = []
+                end = min(off + size, st.size)
+                if end <= off:
+                    return b""
+        if cached:
+            out = await self._read_cached(st, off, end, fill=not over)
+        else:
+            out = RECEIVED.take(end - off)  # every byte is filled below (holes as zeros by storage.read)
+            await per_chunk(self.storage.read, st.ino, st.layout, off, memoryview(out), self.read_limit)
+        for runs in over:  # bytes written here and not yet out, newer than storage's
+            runs.copy_into(memoryview(out), off)
         return out
 
-    async def _read_cached(self, st: InodeState, off: int, end: int) -> bytearray:
-        """A small read from whole cached blocks, fetching the missing ones (see fuse/cache.py)."""
+    async def _read_cached(self, st: InodeState, off: int, end: int, fill: bool = True) -> bytearray:
+        """A small read from whole cached blocks, fetching the missing ones (see fuse/cache.py). ``fill=False``:
+        the fetched blocks are not kept, as gathered writes not yet in storage will change them."""
         assert self.cache is not None
         first, last = off // CACHE_BLOCK, (end - 1) // CACHE_BLOCK
         blocks = {i: self.cache.get(st.ino, i) for i in range(first, last + 1)}
@@ -796,7 +809,7 @@ class KvfsOperations(pyfuse3.Operations):
                 await fetch(missing[0])
             else:
                 await parallel(fetch, [(i,) for i in missing])
-            if st.changes == changes:  # no local write or truncation overtook the reads
+            if fill and st.changes == changes:  # no local write or truncation overtook the reads
                 for i in missing:
                     self.cache.put(st.ino, i, blocks[i], stamp)
         if first == last:
@@ -806,6 +819,13 @@ class KvfsOperations(pyfuse3.Operations):
             base = i * CACHE_BLOCK
             out += memoryview(blocks[i])[max(off, base) - base : min(end, base + CACHE_BLOCK) - base]
         return out
+
+    def _wrote(self, st: InodeState) -> None:
+        """Storage took this mount's writes to the file: versions located before are old (their chunks' other
+        blocks are still right, so the read cache keeps them), and a locate racing the flush is not kept."""
+        st.changes += 1
+        if self.local is not None:
+            self.local.drop(st.ino)
 
     def _changed(self, st: InodeState, offset: int = 0, length: int | None = None) -> None:
         """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None)."""
@@ -875,7 +895,8 @@ class KvfsOperations(pyfuse3.Operations):
                 nursery.start_soon(self.dirops.settled)
         if h.session is not None:
             try:
-                await self.meta.set_length(h.caller, st.ino, h.session, st.size)
+                async with st.exact_length:  # st.size read inside: the last to reach meta is the newest
+                    await self.meta.set_length(h.caller, st.ino, h.session, st.size)
             finally:
                 self._attributes_changed_here(st.ino)
 

@@ -47,6 +47,9 @@ class InodeState:
     stamp: Stamp = (0, 0)  # (mtime_ns, size) meta gave at the latest open: what cached blocks are read under
     changes: int = 0  # local writes and truncations so far: a cache fill that raced one must not be kept
     handles: set = field(default_factory=set)
+    #: held while an exact length goes to meta (fsync): two opens' fsyncs side by side would otherwise race, and an
+    #: older, shorter length taken first could reach meta last and cut off what the other open wrote
+    exact_length: trio.Lock = field(default_factory=trio.Lock)
 
     def dirty(self) -> bool:
         """Bytes written here that meta has not heard of yet (buffered or being flushed)."""
@@ -139,6 +142,18 @@ class DirtyRuns:
                 return True
         return False
 
+    def copy_into(self, out: memoryview, offset: int) -> None:
+        """Lay the runs' bytes in ``[offset, offset + len(out))`` over ``out``, what storage holds there."""
+        end = offset + len(out)
+        for index in range(offset // self.chunk_size, (end - 1) // self.chunk_size + 1):
+            starts, runs = self.chunks.get(index, ((), ()))
+            i = max(0, bisect_right(starts, offset) - 1)
+            while i < len(starts) and starts[i] < end:
+                s, t = max(offset, starts[i]), min(end, starts[i] + len(runs[i]))
+                if s < t:
+                    out[s - offset:t - offset] = memoryview(runs[i])[s - starts[i]:t - starts[i]]
+                i += 1
+
     def spans(self) -> list[tuple[int, int]]:
         """Per chunk, the range from its first run's start to its last run's end."""
         return [(starts[0], starts[-1] + len(runs[-1])) for starts, runs in self.chunks.values()]
@@ -159,18 +174,22 @@ class WriteBack:
     """Buffers, flushes and length reports of a mount's open files.
 
     ``changed(state, offset, length)`` is called under the open's lock before bytes are taken, so caches of the
-    range drop them; ``reported(ino)`` after meta took a new length (the kernel's copy of the attributes is stale
-    then). ``nursery`` runs background flushes; without one every flush is waited for.
+    range drop them; ``wrote(state)`` once storage took (some of) a flush, so what was located in storage before
+    it (a pinned chunk version) is not read from any more (reads do not wait for gathered writes, see
+    :meth:`gathered_over`); ``reported(ino)`` after meta took a new length (the kernel's copy of the attributes
+    is stale then). ``nursery`` runs background flushes; without one every flush is waited for.
     """
 
     def __init__(self, meta: Any, storage: Any, *, write_buffer: int, flush_depth: int, write_parallel: int,
-                 changed: Callable[[InodeState, int, int], None], reported: Callable[[int], None]) -> None:
+                 changed: Callable[[InodeState, int, int], None], wrote: Callable[[InodeState], None],
+                 reported: Callable[[int], None]) -> None:
         self.meta = meta
         self.storage = storage
         self.write_buffer = write_buffer
         self.flush_depth = flush_depth
         self.write_limit = trio.CapacityLimiter(write_parallel)
         self._changed = changed
+        self._wrote = wrote
         self._reported = reported
         self.nursery: trio.Nursery | None = None
 
@@ -219,6 +238,23 @@ class WriteBack:
         if h.runs.size >= self.write_buffer:
             await self._start_runs_flush(h)
 
+    @staticmethod
+    def gathered_over(st: InodeState, lo: int, hi: int) -> list[DirtyRuns] | None:
+        """What a read of ``[lo, hi)`` lays over the bytes it reads from storage instead of waiting for them to be
+        written out, as a page cache serves reads from dirty pages (a database re-reading pages it just wrote would
+        otherwise pay a chain round per read): [] where nothing written here is pending there, the one open's
+        gathered runs that hold all of it, or None where the read must wait for a flush (a sequential buffer or a
+        flush in flight holds some of it, or two opens' runs do, and which of them is newer is not kept)."""
+        found: list[DirtyRuns] = []
+        for h in st.handles:
+            if h.buffered(lo, hi) or any(s < hi and lo < e for s, e, _ in h.flushes):
+                return None
+            if h.runs is not None and h.runs.overlaps(lo, hi):
+                if found:
+                    return None
+                found.append(h.runs)
+        return found
+
     async def flush_inode(self, st: InodeState, lo: int = 0, hi: int = sys.maxsize, but: Handle | None = None
                           ) -> None:
         """Write out what the file's opens (but ``but``) hold of ``[lo, hi)``. Each open flushes its buffer on its
@@ -232,7 +268,10 @@ class WriteBack:
     async def _write_through(self, h: Handle, off: int, data: memoryview) -> None:
         """Write ``data`` at ``off`` (chunk pieces in parallel), then report the new end to meta."""
         st = h.state
-        await per_chunk(self.storage.write, st.ino, st.layout, off, data, self.write_limit)
+        try:
+            await per_chunk(self.storage.write, st.ino, st.layout, off, data, self.write_limit)
+        finally:
+            self._wrote(st)
         await self._report(h, off + len(data))
 
     async def _write_runs(self, h: Handle, runs: DirtyRuns) -> None:
@@ -243,7 +282,10 @@ class WriteBack:
             async with self.write_limit:
                 await self.storage.write_runs(st.ino, st.layout, list(zip(starts, pieces)))
 
-        await parallel(chunk, list(runs.chunks.values()))
+        try:
+            await parallel(chunk, list(runs.chunks.values()))
+        finally:
+            self._wrote(st)
         await self._report(h, runs.bounds()[1])
 
     async def _report(self, h: Handle, end: int) -> None:
