@@ -136,7 +136,16 @@ class DirtyRuns:
         self.size += len(merged) - old
 
     def overlaps(self, lo: int, hi: int) -> bool:
-        for starts, runs in self.chunks.values():
+        """Whether runs hold bytes of ``[lo, hi)``: a look at the chunks of the range only, as every read and
+        write of a dirty file asks."""
+        if hi <= lo:
+            return False
+        first, last = lo // self.chunk_size, (hi - 1) // self.chunk_size
+        if last - first < len(self.chunks):
+            candidates = [got for index in range(first, last + 1) if (got := self.chunks.get(index)) is not None]
+        else:  # a range of more chunks than hold runs (the whole file): the chunks that do
+            candidates = [got for index, got in self.chunks.items() if first <= index <= last]
+        for starts, runs in candidates:
             i = bisect_right(starts, hi - 1) - 1  # the last run starting below hi
             if i >= 0 and lo < starts[i] + len(runs[i]):
                 return True

@@ -3,6 +3,8 @@ last bytes written at every offset, never overlap or touch, and never cross a ch
 
 from __future__ import annotations
 
+import sys
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,3 +39,24 @@ def test_runs_hold_the_last_write_of_every_byte(ops: list[tuple[int, int, int]])
     assert runs.bounds() == (min(model), max(model) + 1)
     gaps = [x for x in range(SPACE + CHUNK) if x not in model]
     assert all(not runs.overlaps(x, x + 1) for x in gaps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(writes, st.lists(st.tuples(st.integers(0, SPACE + CHUNK), st.integers(0, 3 * CHUNK)), min_size=1, max_size=10))
+def test_a_read_sees_the_runs_over_what_storage_holds(ops: list[tuple[int, int, int]],
+                                                      reads: list[tuple[int, int]]) -> None:
+    """What a read of the mount lays over storage's bytes (``copy_into``), and whether it needs to (``overlaps``),
+    for any range, the whole file's (``sys.maxsize``) included."""
+    runs = DirtyRuns(CHUNK)
+    model = bytearray(SPACE + 4 * CHUNK)  # storage's bytes: zeros
+    written: set[int] = set()
+    for off, n, byte in ops:
+        runs.add(off, bytes([byte]) * n)
+        model[off:off + n] = bytes([byte]) * n
+        written.update(range(off, off + n))
+    assert runs.overlaps(0, sys.maxsize)
+    for off, n in reads:
+        assert runs.overlaps(off, off + n) == any(off <= x < off + n for x in written)
+        out = bytearray(n)
+        runs.copy_into(memoryview(out), off)
+        assert out == model[off:off + n]
