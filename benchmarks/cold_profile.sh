@@ -7,7 +7,7 @@
 #                                                  # second mount without a read cache (--read-cache-mb 0)
 #
 # Prints rates, p50/p99 latencies and each process's CPU over the phases (from /proc/PID/stat). With PROFILE=spy
-# (default) it also records py-spy (nonblocking, 250 Hz, raw collapsed stacks) of the second mount and of meta
+# (default) it also records py-spy (nonblocking, SPY_RATE Hz, default 250, raw collapsed stacks) of the second mount and of meta
 # (meta) or the first chunk server (read); with PROFILE=strace it records `strace -c -f` of the second mount (per
 # phase for meta) and of the chunk servers (read); PROFILE=none measures only. py-spy's shares of the non-idle
 # samples by frame go to spy-*.top beside the raw stacks. Output stays in $OUT
@@ -56,7 +56,7 @@ sync; echo 3 > /proc/sys/vm/drop_caches
 RECORDERS=()
 if [ "$PROFILE" = spy ]; then
     for who in mount2 "$([ "$MODE" = meta ] && echo meta || echo cs1)"; do
-        "$SPY" record --pid "$(pid_of "$who")" --format raw --nonblocking -r 250 -d 120 -o "$OUT/spy-$who.txt" \
+        "$SPY" record --pid "$(pid_of "$who")" --format raw --nonblocking -r "${SPY_RATE:-250}" -d 120 -o "$OUT/spy-$who.txt" \
             > /dev/null 2>&1 &
         RECORDERS+=($!)
     done

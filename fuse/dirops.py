@@ -4,7 +4,10 @@ A program that makes files one after another waits a metadata round trip per fil
 holds, it does not. The mount asks for a directory's delegation after a few synchronous creates there
 (:meth:`DirOps.want`), then answers ``create`` of a free name and ``unlink`` of a file it made under the grant
 from what it knows: the grant's complete listing (kept, and kept current by the mount's own changes, as any
-complete listing is: fuse/coherence.py), the directory's attributes, and inode ids meta handed to it. The changes queue in order and one task sends them in batches
+complete listing is: fuse/coherence.py), the directory's attributes, and inode ids meta handed to it. After a few
+synchronous removals of files it did not make it asks for a grant for removals instead, which carries each name's
+inode and type and keeps other clients' removals out too (meta/delegation.py, rule 5), and then answers the
+unlink of any non-directory there (``rm`` of another client's files). The changes queue in order and one task sends them in batches
 (``kvfs.meta.apply_delegated``), so a burst of creates costs meta one transaction per batch.
 
 Ordering and visibility:
@@ -40,13 +43,13 @@ import trio
 from kvfs.errors import ConnectionLost, RpcTimeout, ServiceUnavailable
 from kvfs.meta.posix import NAME_MAX, W_OK, X_OK, check_access, child_attr, sticky_allows
 from kvfs.meta.types import ID_BLOCK
-from kvfs.meta.types import Attr, Caller, CreateOp, Delegated, DirOp, Layout, Opened, UnlinkOp
+from kvfs.meta.types import Attr, Caller, CreateOp, Delegated, DirEntry, DirOp, Layout, Opened, UnlinkOp
 
 from .coherence import Coherence, invalidate_attributes
 
 log = logging.getLogger(__name__)
 
-WANT_AFTER = 2  # synchronous creates in a directory before its delegation is asked for
+WANT_AFTER = 2  # synchronous creates (or removals) in a directory before its delegation is asked for
 USE_FRACTION = 0.6  # of a grant's lease, from the sending of the call that granted or renewed it
 REFILL_AT = ID_BLOCK // 4  # free inode ids left when another block is asked for
 BATCH = 512  # changes per apply_delegated call
@@ -67,9 +70,21 @@ class _Held:
     own: dict[bytes, tuple[int, int]]  # name -> (inode, owner uid) of files made under this grant
     attr: Attr | None  # the directory's attributes after our changes; None while unknown
     layout: Layout  # what its new files get
+    # a grant for removals: name -> entry of the names it carried that no change of ours touched since
+    others: dict[bytes, DirEntry] = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)  # free inode ids, used from the end
     refilling: bool = False
     dropped: bool = False  # given back or lost: queued changes still go out, nothing new is answered
+
+
+@dataclass(eq=False)
+class _Asking:
+    """A delegation this mount asked for and has no answer to yet."""
+
+    token: Any  # the listing read's (Coherence.begin_listing): the grant's names become that listing
+    removes: bool  # a grant for removals
+    wanted: bool = True  # False once something made it useless (a recall, a lapse, an unknown outcome)
+    touched: set[bytes] = field(default_factory=set)  # names our changes there touched meanwhile
 
 
 class DirOps:
@@ -82,8 +97,7 @@ class DirOps:
         self.nursery: trio.Nursery | None = None
         self._me = Caller(os.getuid(), os.getgid(), client=client_id)
         self._held: dict[int, _Held] = {}
-        # directory -> [the listing read's token (Coherence.begin_listing), still wanted, our changes made meanwhile]
-        self._asking: dict[int, list[Any]] = {}
+        self._asking: dict[int, _Asking] = {}
         self._counts: dict[int, int] = {}
         self._backoff: dict[int, tuple[float, float]] = {}  # directory -> (not before, next backoff)
         self._queue: collections.deque[tuple[_Held, DirOp]] = collections.deque()
@@ -135,17 +149,24 @@ class DirOps:
 
     def removable(self, parent: int, name: bytes, caller: Caller) -> _Held | None:
         """The held directory if an unlink of ``name`` there by ``caller`` can be answered here: a file this mount
-        made under the grant (nobody else can know its inode), which the caller may remove."""
+        made under the grant (nobody else can know its inode), or under a grant for removals any non-directory
+        the grant named (nobody else can remove it), which the caller may remove. Where the sticky bit asks for
+        the owner of a file we did not make, meta answers."""
         held = self._usable(parent)
-        own = None if held is None else held.own.get(name)
-        if (own is None or held.attr is None or not check_access(caller, held.attr, W_OK | X_OK)
-                or not sticky_allows(caller, held.attr, own[1])):
+        if held is None or held.attr is None or not check_access(caller, held.attr, W_OK | X_OK):
+            return None
+        own = held.own.get(name)
+        if own is not None:
+            return held if sticky_allows(caller, held.attr, own[1]) else None
+        entry = held.others.get(name)
+        if entry is None or stat.S_ISDIR(entry.type) or not sticky_allows(caller, held.attr, -1):
             return None
         return held
 
     def unlink(self, held: _Held, caller: Caller, name: bytes) -> Attr:
         """Answer an unlink (after :meth:`removable`); returns the directory's new attributes."""
-        ino, _ = held.own.pop(name)
+        own = held.own.pop(name, None)
+        ino = own[0] if own is not None else held.others.pop(name).ino
         self.coherence.unnamed(held.ino, name)
         now = time.time_ns()
         self._enqueue(held, UnlinkOp(caller, name, ino, now))
@@ -181,10 +202,11 @@ class DirOps:
         held = self._held.get(parent)
         if held is not None:
             held.own.pop(name, None)
+            held.others.pop(name, None)
             held.attr = None  # meta's answer says what it is now: see dir_attr
         asking = self._asking.get(parent)
         if asking is not None:
-            asking[2] = True
+            asking.touched.add(name)
 
     def dir_attr(self, ino: int, attr: Attr) -> None:
         """Meta's attributes of directory ``ino`` (after all our changes so far: calls wait for the queue)."""
@@ -215,13 +237,13 @@ class DirOps:
     def _void_ask(self, parent: int) -> None:
         asking = self._asking.get(parent)
         if asking is not None:
-            asking[1] = False
+            asking.wanted = False
 
-    def want(self, parent: int, caller: Caller) -> None:
-        """This mount made a file in ``parent`` synchronously; after a few, ask for its delegation. Removals do not
-        count: a grant lets the mount answer only removals of files it made under it, so a mount that only removes
-        names would gain nothing from one, and would cost the grant's transaction (every name in the directory)
-        and, for another client that uses the directory, a recall."""
+    def want(self, parent: int, caller: Caller, *, removes: bool = False) -> None:
+        """This mount made (or, ``removes``, removed) a name in ``parent`` synchronously; after a few, ask for its
+        delegation. The one asked for after a removal is a grant for removals: an ordinary grant lets the mount
+        answer only removals of files it made under it, and leaves other clients' removals free of recalls (rule
+        5), so a mount that only removes names would gain nothing from one."""
         if (self.nursery is None or parent in self._held or parent in self._asking or not self.coherence.live
                 or self._backoff.get(parent, (0.0, 0.0))[0] > trio.current_time()):
             return
@@ -232,7 +254,7 @@ class DirOps:
             del self._counts[parent]
             token = self.coherence.begin_listing(parent, force=True)  # the grant's names become its listing
             if token is not None:
-                self._asking[parent] = [token, True, False]
+                self._asking[parent] = _Asking(token, removes)
                 self._start(self._ask, parent, caller)
 
     # ------------------------------------------------------------------ grants ----------
@@ -245,14 +267,14 @@ class DirOps:
         try:
             await self.settled()  # changes queued under an earlier grant of it go first
             sent = trio.current_time()
-            grant = await self.meta.delegate(caller, parent)
+            grant = await self.meta.delegate(caller, parent, removes=self._asking[parent].removes)
         except Exception as exc:  # noqa: BLE001 - only an optimisation failed: changes there stay synchronous
             log.debug("asking for the delegation of directory %d: %r", parent, exc)
-        token, wanted, changed = self._asking.pop(parent)
+        asking = self._asking.pop(parent)
         granted = grant is not None and grant.granted
         # The listing counts only if nothing voided it (another client's change, a lapse: fuse/coherence.py); our
         # own changes made while we asked are replayed on top of the grant's names there.
-        kept = self.coherence.end_listing(parent, token, grant.names if granted and wanted else None)
+        kept = self.coherence.end_listing(parent, asking.token, grant.names if granted and asking.wanted else None)
         if not kept:
             self._back_off(parent)
             if granted:
@@ -260,9 +282,12 @@ class DirOps:
             return
         assert grant is not None and grant.names is not None and grant.layout is not None
         ids = list(range(grant.ids + ID_BLOCK - 1, grant.ids - 1, -1))
+        touched = asking.touched
+        others = {name: entry for name, entry in zip(grant.names, grant.entries or ()) if name not in touched}
         self._held[parent] = _Held(parent, grant.epoch, grant.lease, sent + grant.lease * USE_FRACTION, {},
-                                   None if changed else grant.attr, grant.layout, ids)
-        log.debug("directory %d is delegated to this mount (%d names)", parent, len(grant.names))
+                                   None if touched else grant.attr, grant.layout, others, ids)
+        log.debug("directory %d is delegated to this mount (%d names%s)", parent, len(grant.names),
+                  ", for removals" if grant.entries is not None else "")
 
     async def _refill(self, held: _Held) -> None:
         try:

@@ -477,8 +477,8 @@ class KvfsOperations(pyfuse3.Operations):
         if held is not None:  # a file this mount made in a directory it holds: answered here (fuse/dirops.py)
             self._fresh_dir(parent_inode, self.dirops.unlink(held, caller, name))
             return
-        # no delegation is asked for: under one, only removals of files this mount made there are answered here,
-        # and the creates of those count already (fuse/dirops.py, want)
+        if self.dirops is not None:  # after a few, a grant for removals (fuse/dirops.py, want)
+            self.dirops.want(parent_inode, caller, removes=True)
         parent = await self.meta.unlink(caller, parent_inode, name)
         self._unnamed(parent_inode, name)
         self._fresh_dir(parent_inode, parent)

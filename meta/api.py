@@ -143,11 +143,13 @@ class MetaApi(Protocol):
         """The calling client is alive: its write sessions stay. Returns the lease in seconds: the client
         renews well within it (so it need not be configured on both sides)."""
 
-    def delegate(self, caller: Caller, directory: int, epoch: int = 0) -> Delegated:
+    def delegate(self, caller: Caller, directory: int, epoch: int = 0, removes: bool = False) -> Delegated:
         """Grant ``directory`` to the calling client (meta/delegation.py), or with ``epoch`` renew that grant
         and hand it another block of inode ids. Not granted (no error) while another client holds it, when it
-        has more than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. Needs write and search
-        permission on the directory, and a client id."""
+        has more than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. ``removes``: a grant under
+        which the holder may remove any non-directory's name; while another client holds the directory, this
+        asks for it back (EAGAIN, as any call that finds a grant) instead of answering "not granted". Needs
+        write and search permission on the directory, and a client id."""
 
     def undelegate(self, caller: Caller, directories: list[int]) -> int:
         """Give back the calling client's delegations of ``directories`` (after sending every change made

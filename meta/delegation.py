@@ -25,15 +25,19 @@ directory delegations and CephFS's asynchronous directory operations do. The rul
 4. **The holder chooses what the answer showed** (inode ids from blocks meta handed to it, times, placement
    seeds, write sessions) and meta applies exactly that, after the same permission checks as ever: both sides
    build a new file's attributes with ``kvfs.meta.posix.child_attr``. Meta accepts only ids from the grant's blocks.
-5. **Another client may remove what the holder did not make.** The holder answers removals only of files it made
-   under its grant (``Inode.grant`` records which grant made an inode) and creates only of names its listing
-   lacks, so another client's unlink of a non-directory the holder did not make under this grant goes ahead
-   without a recall: nothing the holder answers depends on it, and the holder learns of it from the feed as of
-   any other client's change. So a mount that only removes names (``rm`` of another client's files) neither asks
-   for a grant nor breaks one.
+5. **Another client may remove what the holder did not make, unless the grant is for removals.** Under an
+   ordinary grant the holder answers removals only of files it made under it (``Inode.grant`` records which grant
+   made an inode) and creates only of names its listing lacks, so another client's unlink of a non-directory the
+   holder did not make under this grant goes ahead without a recall: nothing the holder answers depends on it,
+   and the holder learns of it from the feed as of any other client's change. So a creator's grant does not
+   stand in the way of another client's ``rm``. A grant *for removals* (``delegate(..., removes=True)``, asked
+   for by a mount that removes names one after another: ``rm`` of another client's files) carries each name's
+   inode and type, and its holder answers the unlink of any non-directory there; rule 5 does not apply to it,
+   so two clients can never both succeed in removing one name. Asking for it recalls another client's grant.
 
 What stays synchronous: everything but creating regular files and removing names of files the holder itself
-created under the grant (other clients cannot know those inodes except through the directory). A client's other
+created under the grant (other clients cannot know those inodes except through the directory), or under a grant
+for removals of any non-directory (where the sticky bit needs a file's owner, the holder asks meta). A client's other
 metadata calls wait until its earlier delegated changes are applied, so its own view is in program order.
 """
 

@@ -204,20 +204,23 @@ class ChangePage(msgspec.Struct):
 
 class Delegation(msgspec.Struct, array_like=True):
     """The stored delegation of a directory (key ``("meta", "L", dir)``): which client may create and remove
-    names there without asking first, under which epoch, until when (meta's clock), and the inode-id blocks
-    it was handed for its creates (the last few)."""
+    names there without asking first, under which epoch, until when (meta's clock), the inode-id blocks
+    it was handed for its creates (the last few), and whether its holder may remove any non-directory's name
+    (``removes``: then no other client removes names there without a recall; meta/delegation.py, rule 5)."""
 
     client: bytes
     epoch: int
     expires_ns: int
     blocks: list[int]
+    removes: bool = False
 
 
 class Delegated(msgspec.Struct):
     """What :meth:`kvfs.meta.store.MetaStore.delegate` answers. ``granted`` False: another client holds the directory,
     the listing is too large, or a renewal came after the delegation had lapsed. A new grant carries the
-    directory's attributes, the layout its children get, and every name in it; every grant and renewal carries
-    ``ids``, the first of ``kvfs.meta.types.ID_BLOCK`` fresh inode ids for the holder's creates."""
+    directory's attributes, the layout its children get, and every name in it (a grant for removals, with
+    ``entries``, each name's inode and type, in the order of ``names``); every grant and renewal carries ``ids``,
+    the first of ``kvfs.meta.types.ID_BLOCK`` fresh inode ids for the holder's creates."""
 
     granted: bool
     epoch: int = 0
@@ -226,6 +229,7 @@ class Delegated(msgspec.Struct):
     attr: Attr | None = None
     layout: Layout | None = None
     names: list[bytes] | None = None
+    entries: list[DirEntry] | None = None
 
 
 class CreateOp(msgspec.Struct, tag="create", array_like=True):

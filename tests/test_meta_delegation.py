@@ -17,7 +17,7 @@ from kvfs.meta.fsck import check
 from kvfs.meta.posix import child_attr
 from kvfs.meta.store import MetaStore
 from kvfs.meta.types import ID_BLOCK
-from kvfs.meta.types import ROOT, Caller, CreateOp, Layout, UnlinkOp
+from kvfs.meta.types import ROOT, Caller, CreateOp, DirEntry, Layout, UnlinkOp
 
 A = Caller(1000, 1000, client=b"client-a")
 B = Caller(1000, 1000, client=b"client-b")
@@ -102,6 +102,36 @@ def test_another_client_removes_a_file_the_holder_did_not_make_without_a_recall(
     with pytest.raises(DelegationHeld) as held:
         ms.unlink(B, d, b"late")
     assert held.value.lapsed
+
+
+def test_a_grant_for_removals_names_each_inode_and_keeps_other_removers_out(ms, d, clock):
+    """A mount that removes another client's files asks for a grant for removals: it waits for the holder's grant
+    (a recall, not a silent refusal), carries each name's inode and type, and rule 5 does not apply to it, so the
+    holder's answered unlinks of files it did not make cannot race another client's; a renewal keeps it so."""
+    theirs = ms.create(A, d, b"theirs", 0o644).attr.ino
+    sub = ms.mkdir(A, d, b"sub", 0o755).ino
+    ms.delegate(A, d)
+    with pytest.raises(DelegationHeld) as held:
+        ms.delegate(B, d, removes=True)
+    assert not held.value.lapsed
+    assert not ms.delegate(B, d).granted  # an ordinary grant still just is not granted
+    ms.undelegate(A, [d])
+    grant = ms.delegate(B, d, removes=True)
+    assert grant.granted and dict(zip(grant.names, grant.entries)) == {
+        b"sub": DirEntry(sub, stat.S_IFDIR), b"theirs": DirEntry(theirs, stat.S_IFREG)}
+    with pytest.raises(DelegationHeld):
+        ms.unlink(A, d, b"theirs")  # made outside the grant, but the holder may have removed it already
+    assert ms.apply_delegated(B, d, grant.epoch, [UnlinkOp(B, b"theirs", theirs, clock())]) == [0]
+    ms.create(B, d, b"later", 0o644)
+    assert ms.delegate(B, d, grant.epoch).granted  # renewed: still for removals
+    with pytest.raises(DelegationHeld):
+        ms.unlink(A, d, b"later")
+    clock.advance(LEASE)
+    with pytest.raises(DelegationHeld) as held:
+        ms.delegate(A, d, removes=True)
+    assert held.value.lapsed  # the service breaks it, and the retry is granted
+    ms.break_lapsed(d)
+    assert ms.delegate(A, d, removes=True).names == [b"later", b"sub"]
 
 
 def test_a_grant_lapses_without_renewal(ms, d, clock):

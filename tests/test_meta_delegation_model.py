@@ -3,7 +3,8 @@
 A holder answers creates and removals in a directory itself and queues them; another client creates, removes and
 lists names there, and every one of its calls that finds the grant recalls it (the holder sends its queue and
 gives the directory back, as fuse/dirops.py does), then retries; only its removal of a file the holder did not make
-under the grant goes ahead at once, and the holder gives the directory back once the feed tells it. Time moves on at random, so grants lapse, with or
+under an ordinary grant goes ahead at once, and the holder gives the directory back once the feed tells it. Under a
+grant for removals the holder also removes names it did not make, and every removal by the other client recalls. Time moves on at random, so grants lapse, with or
 without changes still queued. The model is the namespace as clients were told it, in the order they were told:
 what the other client sees must always be the model, except that changes the holder had not sent when its grant
 lapsed are lost (and only those); meta's invariants must hold throughout.
@@ -56,6 +57,7 @@ class Delegations(RuleBasedStateMachine):
         self.grant = None  # the holder's grant, while it thinks it holds the directory
         self.names: set[bytes] = set()  # the holder's listing
         self.own: dict[bytes, int] = {}
+        self.others: dict[bytes, int] = {}  # under a grant for removals: the names it carried, not yet removed
         self.ids: list[int] = []
         self.queue: list = []
         self.undo: list = []  # how to take each queued change back out of the model if it is lost
@@ -82,12 +84,14 @@ class Delegations(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ the holder --------
     @precondition(lambda self: self.grant is None)
-    @rule()
-    def holder_asks(self) -> None:
-        grant = self.ms.delegate(HOLDER, self.dir)
+    @rule(removes=st.booleans())
+    def holder_asks(self, removes: bool) -> None:
+        grant = self.ms.delegate(HOLDER, self.dir, removes=removes)
         if grant.granted:
             self.renewed = self.clock()
             assert set(grant.names) == set(self.model)
+            self.others = {name: entry.ino for name, entry in zip(grant.names, grant.entries)} if removes else {}
+            assert not removes or self.others == self.model
             self.grant, self.names, self.own = grant, set(grant.names), {}
             self.ids = list(range(grant.ids, grant.ids + ID_BLOCK))
 
@@ -109,9 +113,9 @@ class Delegations(RuleBasedStateMachine):
     @rule(name=NAMES)
     def holder_removes(self, name: bytes) -> None:
         self._holder_checks_its_grant()
-        if self.grant is None or name not in self.own:
+        if self.grant is None or (name not in self.own and name not in self.others):
             return
-        ino = self.own.pop(name)
+        ino = self.own.pop(name) if name in self.own else self.others.pop(name)
         self.queue.append(UnlinkOp(HOLDER, name, ino, self.clock()))
         self.undo.append(("unlink", name, ino))
         self.names.discard(name)
@@ -197,7 +201,7 @@ class Delegations(RuleBasedStateMachine):
         assert name in self.model
         del self.model[name]
         if self.grant is not None:  # removed without a recall (rule 5): never a file the holder made under its grant
-            assert name not in self.own
+            assert name not in self.own and self.grant.entries is None, "a removal raced the holder's"
             self._recall()  # the holder hears of it in the feed, and gives the directory back (fuse/dirops.py)
 
     @rule()

@@ -3,6 +3,7 @@ removals itself, and another client still sees every one of them the moment it l
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -11,11 +12,13 @@ import pytest
 
 pytest.register_assert_rewrite("cluster_fixtures")
 from cluster_fixtures import NEEDS_FUSE, process_alive, second_mount, started, wait_until
+from fuse_harness import run_as
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE
 
 GRANTED = "is delegated to this mount"
+UID = GID = 1000  # an unprivileged caller
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,45 @@ def test_lookups_and_stats_by_another_client_recall_the_directory(cluster, tmp_p
         before = os.stat(work).st_mtime_ns
         assert (cluster.mount / "lookups" / "fresh").read_bytes() == b"fresh"
         assert os.stat(cluster.mount / "lookups").st_mtime_ns >= before
+
+
+def test_a_mount_removing_another_clients_files_answers_them_itself_and_the_other_sees_each(cluster):
+    """``rm`` from a second mount of files the cluster's mount made: after a few synchronous removals the second
+    mount holds a grant for removals (recalled from the creator) and answers the rest itself, with the errors a
+    local disk gives (ENOENT, EISDIR, the sticky bit for an unprivileged caller); the creator sees each removal
+    without listing (the feed), and its listing after the recall is exact; a file open there stays readable."""
+    made = cluster.mount / "removals"
+    made.mkdir()
+    made.chmod(0o1777)
+    names = [f"f{i:03d}" for i in range(120)]
+    make_files(made, names, b"data of ")
+    (made / "sub").mkdir()
+    assert run_as(UID, GID, make_files, made, ["theirs", "kept"]) is None
+    log = cluster.base / "remover.log"
+    with second_mount(cluster, cluster.base / "remover", "--log-level", "DEBUG", log=log) as remover, \
+            open(made / names[-1], "rb") as still_open:
+        work = remover / "removals"
+        for name in names[:10]:
+            os.unlink(work / name)
+        wait_until(lambda: "for removals" in log.read_text(), 10, "the grant for removals")
+        for name in names[10:]:
+            os.unlink(work / name)
+        wait_until(lambda: not os.path.exists(made / names[60]), 1, "the removal on the creator's mount")
+        for path, code in ((work / names[0], errno.ENOENT), (work / "absent", errno.ENOENT),
+                           (work / "sub", errno.EISDIR)):
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                assert exc.errno == code, path
+            else:
+                raise AssertionError(f"unlink of {path} succeeded")
+        root_owned = work / "mine"
+        root_owned.write_bytes(b"x")
+        assert run_as(UID, GID, os.unlink, root_owned) == ("errno", errno.EPERM)  # sticky: not the caller's
+        assert run_as(UID, GID, os.unlink, work / "theirs") is None
+        assert still_open.read() == b"data of " + names[-1].encode()
+        assert sorted(os.listdir(made)) == ["kept", "mine", "sub"]
+        assert "lost" not in log.read_text()
 
 
 def test_a_killed_holder_is_waited_out_and_what_it_sent_stays(cluster, tmp_path):

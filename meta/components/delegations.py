@@ -21,7 +21,7 @@ from kvfs.meta.components.ids import InodeIds
 from kvfs.meta.delegation import BLOCKS_KEPT, MAX_DELEGATED_NAMES, DelegationHeld
 from kvfs.meta.feed import ORIGIN, FeedDatabase
 from kvfs.meta.posix import errno_error
-from kvfs.meta.records import encoder, get_entry, get_inode
+from kvfs.meta.records import decode_entry, encoder, get_entry, get_inode
 from kvfs.meta.types import ID_SHARDS, Caller, Change, Delegated, Delegation, Inode, Layout
 
 _dec_delegation = msgspec.msgpack.Decoder(Delegation)
@@ -42,7 +42,8 @@ class Delegations:
     def check(self, tr: Transaction, caller: Caller, directory: int, *, removing: bytes | None = None) -> None:
         """Raise :class:`DelegationHeld` if another client holds ``directory``: it may have answered changes there
         that meta has not seen yet (meta/delegation.py). ``removing``: the caller removes that name of a
-        non-directory, which may go ahead under a live grant if its inode was not made under it (rule 5)."""
+        non-directory, which may go ahead under a live grant if its inode was not made under it, unless the grant is
+        one for removals (rule 5)."""
         held = self._held(tr, directory)
         if held is None:
             return
@@ -51,13 +52,16 @@ class Delegations:
         # a lapsed one is broken first (break_lapsed, its own transaction), so its holder's late changes cannot
         # follow what this caller sees
         lapsed = held.expires_ns <= self._clock()
-        if removing is not None and not lapsed and _made_outside(tr, directory, removing, held.epoch):
+        if (removing is not None and not lapsed and not held.removes
+                and _made_outside(tr, directory, removing, held.epoch)):
             return
         raise DelegationHeld(directory, lapsed=lapsed)
 
-    def grant(self, tr: Transaction, caller: Caller, pdir: Inode, layout: Layout, epoch: int) -> Delegated:
+    def grant(self, tr: Transaction, caller: Caller, pdir: Inode, layout: Layout, epoch: int,
+              removes: bool = False) -> Delegated:
         """Grant directory ``pdir`` (whose new files get ``layout``) to the caller's client, or with ``epoch`` renew
-        that grant; with a fresh block of inode ids either way (see :meth:`kvfs.meta.store.MetaStore.delegate`)."""
+        that grant; with a fresh block of inode ids either way (see :meth:`kvfs.meta.store.MetaStore.delegate`).
+        ``removes``: a grant for removals, which carries each name's entry too (a renewal keeps what it was)."""
         directory = pdir.attr.ino
         key = schema.delegation(directory)
         held = self._held(tr, directory)
@@ -68,15 +72,16 @@ class Delegations:
                 return Delegated(False)
             ids = InodeIds.reserve_block(tr, random.randrange(ID_SHARDS))
             blocks = (held.blocks + [ids])[-BLOCKS_KEPT:]
-            tr.set(key, encoder.encode(Delegation(caller.client, epoch, now + self._lease_ns, blocks)))
+            tr.set(key, encoder.encode(msgspec.structs.replace(held, expires_ns=now + self._lease_ns, blocks=blocks)))
             return Delegated(True, epoch, lease, ids)
         rows = tr.get_range(*schema.dir_range(directory), limit=MAX_DELEGATED_NAMES + 1)
         if len(rows) > MAX_DELEGATED_NAMES:
             return Delegated(False)
         ids = InodeIds.reserve_block(tr, random.randrange(ID_SHARDS))
         epoch = secrets.randbits(62) + 1
-        tr.set(key, encoder.encode(Delegation(caller.client, epoch, now + self._lease_ns, [ids])))
-        return Delegated(True, epoch, lease, ids, pdir.attr, layout, [unpack(k)[-1] for k, _ in rows])
+        tr.set(key, encoder.encode(Delegation(caller.client, epoch, now + self._lease_ns, [ids], removes)))
+        entries = [decode_entry(v) for _, v in rows] if removes else None
+        return Delegated(True, epoch, lease, ids, pdir.attr, layout, [unpack(k)[-1] for k, _ in rows], entries)
 
     def claim(self, tr: Transaction, caller: Caller, directory: int, epoch: int) -> Delegation:
         """The caller's grant ``epoch`` of ``directory``, renewed; ENOLCK if the caller no longer holds it."""
@@ -85,8 +90,8 @@ class Delegations:
         if held is None or held.client != caller.client or held.epoch != epoch:
             raise errno_error(errno.ENOLCK, f"the delegation of directory {directory} was given back, or lapsed and "
                                      f"another client used the directory since")
-        tr.set(schema.delegation(directory),
-               encoder.encode(Delegation(held.client, epoch, now + self._lease_ns, held.blocks)))
+        renewed = msgspec.structs.replace(held, expires_ns=now + self._lease_ns)
+        tr.set(schema.delegation(directory), encoder.encode(renewed))
         return held
 
     @staticmethod

@@ -26,21 +26,26 @@ from kvfs.meta.types import ID_BLOCK, Caller, CreateOp, Delegated, Delegation, D
 class DelegationOps(EntryOps):
     """delegate, undelegate, apply_delegated."""
 
-    def delegate(self, caller: Caller, directory: int, epoch: int = 0) -> Delegated:
+    def delegate(self, caller: Caller, directory: int, epoch: int = 0, removes: bool = False) -> Delegated:
         """Grant ``directory`` to the calling client (meta/delegation.py), or with ``epoch`` renew that grant and
         hand it another block of inode ids. Not granted (no error) while another client holds it, when it has more
-        than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. Needs write and search permission
-        on the directory, and a client id."""
+        than MAX_DELEGATED_NAMES names, or when the renewed grant has lapsed. ``removes``: a grant for removals
+        (rule 5), which waits for another client's grant as any other call does: :class:`DelegationHeld`, so the
+        service recalls (or breaks) that grant and the caller retries, since a mount that removes files one
+        after another gains only once it holds the directory. Needs write and search permission on the
+        directory, and a client id."""
         if not caller.client:
             raise errno_error(errno.EINVAL, "a delegation needs a client id")
         try:
-            return self._write(self._delegate, caller, directory, epoch)
+            return self._write(self._delegate, caller, directory, epoch, removes)
         except DelegationHeld:
+            if removes and not epoch:
+                raise
             return Delegated(False)
 
-    def _delegate(self, tr: Transaction, caller: Caller, directory: int, epoch: int) -> Delegated:
+    def _delegate(self, tr: Transaction, caller: Caller, directory: int, epoch: int, removes: bool) -> Delegated:
         pdir = self._dir(tr, caller, directory, W_OK | X_OK)
-        return self._delegations.grant(tr, caller, pdir, self._layout(pdir), epoch)
+        return self._delegations.grant(tr, caller, pdir, self._layout(pdir), epoch, removes)
 
     def undelegate(self, caller: Caller, directories: list[int]) -> int:
         """Give back the calling client's delegations of ``directories`` (after sending every change made under
