@@ -206,10 +206,10 @@ def test_removing_another_name_of_a_listed_file_where_nothing_is_listed_shows_at
         _soon(lambda: os.stat("f02", dir_fd=there).st_nlink == 1, "another mount's unlink of the other name")
 
 
-def test_a_mount_that_only_removes_names_does_not_ask_for_the_directory(cluster, tmp_path):
-    """Under a delegation a mount answers only removals of files it made there, so removing files another mount
-    made (``rm`` of a tree it did not create) asks for no grant: none to pay for (a transaction that reads every
-    name), and none for the other mount's next look into the directory to recall."""
+def test_a_mount_that_only_removes_names_asks_once_and_the_other_sees_an_exact_listing(cluster, tmp_path):
+    """``rm`` of a tree another mount made: after two removals the remover asks once for a grant for removals
+    (meta/delegation.py, rule 5), not once per name; the mount that made the files lists the directory exactly
+    afterwards, and its next create shows in the remover."""
     first = cluster.mount / "removed-elsewhere"
     first.mkdir()
     for i in range(20):
@@ -217,8 +217,7 @@ def test_a_mount_that_only_removes_names_does_not_ask_for_the_directory(cluster,
     with observer(cluster, tmp_path) as remover:
         for i in range(20):
             os.unlink(remover.path / "removed-elsewhere" / f"old{i:02d}")
-        assert remover.calls().get("delegate", 0) == 0
-        assert remover.calls().get("unlink", 0) == 20
+        assert remover.calls().get("delegate", 0) <= 1  # what a grant then answers: test_mount_delegation.py
         assert os.listdir(first) == []
         (first / "after").write_bytes(b"after")
         _soon(lambda: (remover.path / "removed-elsewhere" / "after").exists(), "the first mount's create")
