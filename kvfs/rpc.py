@@ -38,6 +38,7 @@ import errno
 import functools
 import itertools
 import logging
+import math
 import os
 import select
 import socket as _socket
@@ -160,6 +161,15 @@ class FrameReader:
                 raise ProtocolError(f"connection closed inside a frame ({self._end - self._start} of {need} bytes)")
             self._end += n
 
+    def take(self, n: int) -> memoryview | None:
+        """The next ``n`` bytes if they are buffered already (a view, valid until the next read), else None and
+        nothing consumed: most frames of a busy connection are, and parsing them needs no coroutine at all."""
+        start = self._start
+        if self._end - start < n:
+            return None
+        self._start = start + n
+        return self._view[start : start + n]
+
     async def read(self, n: int) -> memoryview | bytes:
         """Return the next ``n`` bytes; a view into the shared buffer, valid until the next read."""
         if n > len(self._buf):
@@ -191,7 +201,7 @@ class FrameReader:
             n -= step
 
 
-def _write_available(fd: int, views: list[memoryview]) -> int:
+def _write_available(fd: int, views: list[Buffer]) -> int:
     """Write from the front of ``views`` until they are all sent or the socket is full; trims ``views`` in
     place and returns the bytes written. Errors other than a full socket propagate."""
     total = 0
@@ -232,7 +242,7 @@ class _Writer:
         #: Seals each frame as it is queued, so sequence numbers follow the byte stream by construction; None
         #: until the connection's handshake gave it keys (handshake frames go untagged).
         self.signer = signer
-        self._queue: list[memoryview] = []
+        self._queue: list[Buffer] = []  # bytes, or byte-format views of the callers' buffers
         self._queued = 0  # bytes ever queued
         self._sent = 0  # bytes of those written so far
         self._wake = trio.Event()  # the queue has something, or close() was called
@@ -246,16 +256,18 @@ class _Writer:
         """Nothing more will be sent: the writer task has ended."""
         return self._stopped
 
-    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False) -> None:
+    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False,
+                  deadline: float = math.inf) -> None:
         """Send one frame (from :func:`kvfs.wire.encode_frame`) and its data buffers; ``seal=False`` only for the
         one frame a peer reads untagged (an authentication refusal). ``batch``: more frames are on their way
         (other calls in flight, more requests already read), so leave this one to the writer task, which sends
-        all that queued up by its next pass in one ``writev``."""
+        all that queued up by its next pass in one ``writev``. ``deadline`` (trio time): RpcTimeout if the frame
+        must wait for its bytes to reach the kernel until then."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
         if seal and self.signer is not None:
             buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers if len(b)]
         if not self._queue and not batch:
             try:
                 _write_available(self._fd, views)
@@ -270,10 +282,13 @@ class _Writer:
         self._wake.set()
         if self._queued - self._sent > _QUEUE_LIMIT or any(type(b) is not bytes for b in buffers):
             end = self._queued
-            while self._sent < end:
-                if self._stopped:
-                    raise ConnectionLost("connection closed before the frame was sent")
-                await self._progress.wait()
+            with trio.move_on_at(deadline):
+                while self._sent < end:
+                    if self._stopped:
+                        raise ConnectionLost("connection closed before the frame was sent")
+                    await self._progress.wait()
+                return
+            raise RpcTimeout("the peer took in no more bytes before the call's deadline")
 
     async def run(self) -> None:
         """Send what ``put`` queued until :meth:`close` (flushing first) or until a send fails."""
@@ -321,6 +336,19 @@ async def _connect(address: str, timeout: float) -> trio.socket.SocketType:
     sock = stream.socket
     sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
     return sock
+
+
+async def _read_frame(reader: FrameReader, limits: Limits, signer: Signer) -> tuple[wire.Header, memoryview | bytes]:
+    """The next frame's header and body, its tag checked (AuthError otherwise); the body is a view into the read
+    buffer, valid until the next read. Frames already buffered are parsed without awaiting anything."""
+    raw = reader.take(wire.HEADER_SIZE)
+    raw = bytes(raw if raw is not None else await reader.read(wire.HEADER_SIZE))
+    header = wire.decode_header(raw, limits)
+    body = reader.take(header.body_len)
+    if body is None:
+        body = await reader.read(header.body_len)
+    wire.check_tag(signer, raw, header, body)
+    return header, body
 
 
 async def _read_handshake(reader: FrameReader, expect: Method, request: bool, peer: str) -> Any:
@@ -385,19 +413,52 @@ async def send_all(sock: trio.socket.SocketType, data: bytes) -> None:
 # --------------------------------------------------------------------------------------------- client
 
 
-@dataclass(slots=True)
 class _Pending:
-    method: Method
-    into: memoryview | None
-    done: trio.Event = field(default_factory=trio.Event)
-    response: Any = None
-    data: memoryview | None = None
-    error: BaseException | None = None
-    dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
-    direct: DirectInto | None = None  # RDMA: or the caller's registered region, named in the request instead
-    offered: int = 0  # RDMA: how many bytes of it were offered
-    reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
-    reply_offset: int = 0  # its arena offset
+    """One call awaiting its answer. The caller parks on it with trio's low-level primitives, not a
+    ``trio.Event``: an event's parking lot cost about a microsecond a call on each side of the wait."""
+
+    __slots__ = ("method", "into", "deadline", "response", "data", "error", "finished", "_task", "dst", "direct",
+                 "offered", "reply", "reply_offset")
+
+    def __init__(self, method: Method, into: memoryview | None, deadline: float = math.inf, *, dst: Slab | None = None,
+                 direct: DirectInto | None = None, offered: int = 0) -> None:
+        self.method = method
+        self.into = into
+        #: when the connection's timer fails the call with RpcTimeout (inf: the caller's cancel scope bounds it)
+        self.deadline = deadline
+        self.response: Any = None
+        self.data: memoryview | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self._task: trio.lowlevel.Task | None = None
+        self.dst = dst  # RDMA: the slab the server may write the response's data into
+        self.direct = direct  # RDMA: or the caller's registered region, named in the request instead
+        self.offered = offered  # RDMA: how many bytes of it were offered
+        self.reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
+        self.reply_offset = 0  # its arena offset
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The answer (or ``error``) is in: wake the caller. Only the first finish counts."""
+        if self.finished:
+            return
+        self.finished = True
+        if error is not None:
+            self.error = error
+        task, self._task = self._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        """Until :meth:`finish`; a cancellation point like ``Event.wait``."""
+        if self.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        self._task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 #: Arena buffers of calls given up on connections that closed before their answers came: a server may write into
@@ -426,6 +487,8 @@ class Connection:
         self._closed: BaseException | None = None
         self._going_away = False  # the server sent GOAWAY: no new calls on this connection
         self._cancel = trio.CancelScope()
+        self._timer_due = math.inf  # when the timer next looks for calls past their deadline
+        self._timer_wake = trio.Event()  # a call's deadline comes before that
         #: What the handshakes negotiated: how this connection's data sections travel besides TCP.
         self.links = ClientLinks(address, self.call, shared_memory=shared_memory)
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
@@ -467,6 +530,7 @@ class Connection:
             with self._cancel:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._run_writer)
+                    nursery.start_soon(self._run_timer)
                     task_status.started()
                     await self._run_reader()
         finally:
@@ -506,14 +570,29 @@ class Connection:
         except OSError as exc:
             self._fail_pending(ConnectionLost(f"sending to {self.address} failed: {exc}"))
 
+    async def _run_timer(self) -> None:
+        """Fail the calls past their ``deadline`` (see :meth:`call`). It sleeps until the earliest deadline it saw
+        and is woken only by a call due before that, which with one timeout per client is rare: a call's
+        deadline costs a comparison, where a cancel scope per call was a good part of a small call's CPU."""
+        while True:
+            now, due = trio.current_time(), math.inf
+            for pending in list(self._pending.values()):
+                if pending.deadline <= now:
+                    pending.finish(RpcTimeout(f"{pending.method.name} to {self.address} passed its deadline"))
+                elif pending.deadline < due:
+                    due = pending.deadline
+            self._timer_due = due
+            with trio.move_on_at(due):
+                await self._timer_wake.wait()
+            self._timer_wake = trio.Event()
+
     def _fail_pending(self, reason: BaseException) -> None:
         """Mark the connection dead and wake every caller still waiting on it."""
         if self._closed is None:
             self._closed = reason
         self._cancel.cancel()
         for pending in self._pending.values():
-            pending.error = self._closed
-            pending.done.set()
+            pending.finish(self._closed)
             if pending.reply is not None:  # unanswered: the server may still write into it (see _close_rdma)
                 _ABANDONED_REPLIES.append(pending.reply)
         self._pending.clear()
@@ -524,11 +603,8 @@ class Connection:
     async def _read_loop(self) -> None:
         reader = self._reader
         while True:
-            raw = bytes(await reader.read(wire.HEADER_SIZE))
-            header = wire.decode_header(raw, self._limits)
-            body = await reader.read(header.body_len)
             try:
-                wire.check_tag(self._signer, raw, header, body)
+                header, body = await _read_frame(reader, self._limits, self._signer)
             except AuthError as exc:
                 log.warning("closing connection to %s: %s", self.address, exc.message)
                 raise
@@ -559,8 +635,7 @@ class Connection:
                 else:
                     raise ProtocolError(f"server sent a {header.type.name} frame")
             except ProtocolError as exc:
-                pending.error = exc
-                pending.done.set()
+                pending.finish(exc)
                 raise
             if header.data_len:
                 target = pending.into
@@ -572,7 +647,7 @@ class Connection:
                 pending.data = target
             if self._held:
                 self._release_held(header.request_id)
-            pending.done.set()
+            pending.finish()
 
     def _rdma_answer(self, header: wire.Header, body: memoryview | bytes, pending: _Pending) -> None:
         """A flagged answer: an RDMA-ERROR (handler not run), or a response whose data the server RDMA-WROTE."""
@@ -632,8 +707,12 @@ class Connection:
         data: Buffer | Sequence[Buffer] | None = None,
         into: memoryview | DirectInto | None = None,
         lend: bool = False,
+        deadline: float = math.inf,
     ) -> tuple[Any, memoryview | None]:
-        """Send one request and wait for its answer; the deadline is the caller's cancel scope.
+        """Send one request and wait for its answer. The deadline is the caller's cancel scope, or ``deadline`` (trio
+        time): past it the connection's timer fails the call with RpcTimeout, which costs a call less than a cancel
+        scope of its own would. ``deadline`` bounds only the wait for the answer, so it suits calls whose sending
+        cannot block (no data section, nothing to negotiate).
 
         ``lend``: ``data`` stays unchanged until the answer arrives and carries its own checksum, so a server on
         this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`).
@@ -656,7 +735,7 @@ class Connection:
             if answer is not None:
                 return answer
             # no slab free, or the server could not move the data: this call goes over TCP
-        pending = _Pending(method, into)
+        pending = _Pending(method, into, deadline)
         if into is not None and not shared and (reply := await self.links.reply_buffer(len(into))):
             pending.reply, pending.reply_offset = reply
             body += shm.encode_trailer(pending.reply_offset, len(into))
@@ -664,9 +743,11 @@ class Connection:
         frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         batch = bool(self._pending)  # other calls in flight: their callers are likely sending too
         self._pending[request_id] = pending
+        if deadline < self._timer_due:
+            self._timer_wake.set()
         try:
-            await self._writer.put([frame, *buffers], batch=batch)
-            await pending.done.wait()
+            await self._writer.put([frame, *buffers], batch=batch, deadline=deadline)
+            await pending.wait()
         finally:
             if self._pending.pop(request_id, None) is not None and pending.reply is not None:
                 self._held_replies[request_id] = pending.reply  # given up: the server may still write into it
@@ -732,7 +813,7 @@ class Connection:
             try:
                 await self._writer.put([frame, *tcp_buffers])
                 sent = True
-                await pending.done.wait()
+                await pending.wait()
             finally:
                 given_up = self._pending.pop(request_id, None) is not None
                 if not sent:  # the server never saw the descriptors
@@ -906,16 +987,25 @@ class RpcClient(TransportChoice):
         """Call ``method``; the response's data section lands in ``into`` when it is large enough."""
         attempts = 1 + (self._retries if method.idempotent else 0)
         deadline = self.call_timeout if timeout is None else timeout
+        small = data is None and into is None and not lend  # sending it cannot block: the connection's timer
         for attempt in range(attempts):
-            # A bare cancel scope: fail_after's generator-based context manager cost a few microseconds a call.
-            with trio.CancelScope(deadline=trio.current_time() + deadline) as scope:
+            conn = self._connections.get(address) if small else None
+            if conn is not None and not (conn.closed or not method.idempotent and conn.peer_gone()):
                 try:
-                    conn = await self.connection(address, check_peer=not method.idempotent)
-                    return await conn.call(method, request, data=data, into=into, lend=lend)
+                    return await conn.call(method, request, deadline=trio.current_time() + deadline)
                 except (ConnectionLost, ServiceUnavailable) as exc:
                     error: KvfsError = exc
-            if scope.cancelled_caught:
-                error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
+                except RpcTimeout:
+                    error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
+            else:  # connecting, or a data section: one cancel scope bounds it all
+                with trio.CancelScope(deadline=trio.current_time() + deadline) as scope:
+                    try:
+                        conn = await self.connection(address, check_peer=not method.idempotent)
+                        return await conn.call(method, request, data=data, into=into, lend=lend)
+                    except (ConnectionLost, ServiceUnavailable) as exc:
+                        error = exc
+                if scope.cancelled_caught:
+                    error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
             if attempt + 1 < attempts:
                 await trio.sleep(min(0.05 * 2**attempt, 1.0))
         raise error
@@ -1137,10 +1227,7 @@ class RpcServer(TransportChoice):
         conn: PeerConnection,
     ) -> None:
         while True:
-            raw = bytes(await reader.read(wire.HEADER_SIZE))
-            header = wire.decode_header(raw, self._limits)
-            body = await reader.read(header.body_len)
-            wire.check_tag(signer, raw, header, body)
+            header, body = await _read_frame(reader, self._limits, signer)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
             flags = header.flags  # most requests have none: skip the Flag tests (~0.5 us each)
