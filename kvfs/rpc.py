@@ -92,6 +92,10 @@ _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
 _YIELD_EVERY = 64
 _QUEUE_LIMIT = 4 * 1024 * 1024
+#: Queued frames that go out at once, without waiting for the writer task's pass: the peer starts on them while
+#: this side makes the rest. Without it many calls in flight moved as one batch, each side idle while the other
+#: worked through it.
+_FLUSH_FRAMES = 16
 #: Handshake frames are a nonce or a MAC in a few bytes of msgpack; anything larger is not a handshake.
 _HANDSHAKE_LIMITS = Limits(max_body=256)
 
@@ -265,9 +269,16 @@ class _Writer:
         must wait for its bytes to reach the kernel until then."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
+        frame = buffers[0]
         if seal and self.signer is not None:
-            buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
-        views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers if len(b)]
+            frame = self.signer.seal(frame)
+        if len(buffers) == 1 and type(frame) is bytes:  # most frames: nothing but the sealed header and body
+            views: list[Buffer] = [frame]
+            borrowed = False
+        else:
+            buffers = [frame, *buffers[1:]]
+            views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers if len(b)]
+            borrowed = any(type(b) is not bytes for b in buffers)  # caller-owned: wait until they are sent
         if not self._queue and not batch:
             try:
                 _write_available(self._fd, views)
@@ -278,9 +289,17 @@ class _Writer:
             if not views:
                 return
         self._queue.extend(views)
-        self._queued += sum(len(v) for v in views)
-        self._wake.set()
-        if self._queued - self._sent > _QUEUE_LIMIT or any(type(b) is not bytes for b in buffers):
+        self._queued += sum(map(len, views))
+        if len(self._queue) >= _FLUSH_FRAMES:
+            try:
+                self._send_queued()
+            except OSError as exc:
+                self._error = exc
+                self._wake.set()
+                raise ConnectionLost(f"sending failed: {exc}") from None
+        if self._queue:
+            self._wake.set()
+        if borrowed or self._queued - self._sent > _QUEUE_LIMIT:
             end = self._queued
             with trio.move_on_at(deadline):
                 while self._sent < end:
@@ -297,11 +316,7 @@ class _Writer:
                 if self._error is not None:
                     raise self._error
                 if self._queue:
-                    sent = _write_available(self._fd, self._queue)
-                    if sent:
-                        self._sent += sent
-                        self._progress.set()
-                        self._progress = trio.Event()
+                    self._send_queued()
                     if self._queue:
                         await trio.lowlevel.wait_writable(self._fd)
                     continue
@@ -312,6 +327,14 @@ class _Writer:
         finally:
             self._stopped = True
             self._progress.set()
+
+    def _send_queued(self) -> None:
+        """Write as much of the queue as the socket takes; OSError for a broken connection."""
+        sent = _write_available(self._fd, self._queue)
+        if sent:
+            self._sent += sent
+            self._progress.set()
+            self._progress = trio.Event()
 
     def close(self) -> None:
         self._closed = True
@@ -1273,17 +1296,17 @@ class RpcServer(TransportChoice):
                     raise ProtocolError("shared-memory data section from a client whose arena is not mapped")
                 data = memoryview(shm.SHARED.take(shared))  # in our own arena: a handler may lend it on
                 conn.shm.copy_out(offset, data)
-            try:
-                limiter.acquire_on_behalf_of_nowait(header.request_id)
-            except trio.WouldBlock:
-                await limiter.acquire_on_behalf_of(header.request_id)
-            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway,
-                    reply_to)
+            args = (writer, peer, header.request_id, entry, request, data, failure, conn, buffers, oneway, reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):
-                # more requests already read: their replies join this one in the writer's next writev
+                # Run by this task, which reads nothing more meanwhile: no slot of the limiter needed. More
+                # requests already read: their replies join this one in the writer's next writev.
                 await self._dispatch(*args, batch=reader.buffered > 0)
             else:
-                nursery.start_soon(self._dispatch, *args)
+                try:
+                    limiter.acquire_on_behalf_of_nowait(header.request_id)
+                except trio.WouldBlock:
+                    await limiter.acquire_on_behalf_of(header.request_id)
+                nursery.start_soon(self._dispatch, *args, limiter)
 
     async def _dispatch(
         self,
@@ -1294,13 +1317,14 @@ class RpcServer(TransportChoice):
         request: Any,
         data: memoryview | None,
         failure: KvfsError | None,
-        limiter: trio.CapacityLimiter,
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
         reply_to: list[int] | None = None,
+        limiter: trio.CapacityLimiter | None = None,
         batch: bool = False,
     ) -> None:
+        """Run one request's handler and send its answer; ``limiter``: the slot a call in a task of its own holds."""
         ctx: CallContext | None = None
         delivered = False  # the reply is in the kernel, or there is none to send
         try:
@@ -1341,7 +1365,7 @@ class RpcServer(TransportChoice):
                     failure = KvfsError(f"internal error in {method.name}: {type(exc).__name__}: {exc}", errno.EIO)
                 finally:
                     self._running -= 1
-                    if not self._running:
+                    if not self._running and self._draining:  # only drain() waits for it
                         self._idle.set()
                         self._idle = trio.Event()
                 _call_timer(method.name).observe(trio.current_time() - started)
@@ -1361,7 +1385,8 @@ class RpcServer(TransportChoice):
                 pass
             delivered = True
         finally:
-            limiter.release_on_behalf_of(request_id)
+            if limiter is not None:
+                limiter.release_on_behalf_of(request_id)
             if ctx is not None and ctx._after_reply:
                 self._after_reply(ctx, delivered or writer.stopped)
 
