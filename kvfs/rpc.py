@@ -3,12 +3,15 @@
 One connection carries many concurrent calls, matched by request id. Each side runs one reader task and one
 writer task per connection. A frame is written by its caller when nothing is queued and nothing follows it,
 else the writer drains the queue into one ``writev`` (a request while others are in flight, an inline handler's
-reply while more requests are already read: small calls in flight only pay off when frames are batched); the
-reader parses frames out of a reused buffer and hands each data section straight to the buffer its caller
-supplied, so bulk bytes are copied once, from the kernel into their destination. Both read and write the
-non-blocking descriptor directly and wait for readiness only when it is empty or full: a small call's round trip
-is mostly scheduler passes, and this leaves one per side where trio's socket methods took several. Handlers
-registered ``inline`` run in the reader task (no task per call).
+reply while more requests are already read: small calls in flight only pay off when frames are batched), and a
+queue of 16 frames goes out at once, so the peer works on one part while this side makes the next; the
+reader parses frames out of a reused buffer (those already buffered without awaiting anything) and hands each
+data section straight to the buffer its caller supplied, so bulk bytes are copied once, from the kernel into
+their destination. Both read and write the non-blocking descriptor directly and wait for readiness only when it
+is empty or full: a small call's round trip is mostly scheduler passes, and this leaves one per side where trio's
+socket methods took several. Handlers registered ``inline`` run in the reader task (no task per call). A client's
+small calls on an open connection are bounded by one deadline timer per connection rather than a cancel scope
+each.
 
 Every connection opens with the handshake of :mod:`kvfs.auth`, which proves both sides hold the cluster token and
 gives the connection its own frame keys; every later frame is tagged with them and an implicit sequence number.
