@@ -460,7 +460,7 @@ class _Pending:
         self.dst = dst  # RDMA: the slab the server may write the response's data into
         self.direct = direct  # RDMA: or the caller's registered region, named in the request instead
         self.offered = offered  # RDMA: how many bytes of it were offered
-        self.reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
+        self.reply: Any = None  # SHM_REPLY: this process's arena buffer the server may write the answer's data into
         self.reply_offset = 0  # its arena offset
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -737,8 +737,8 @@ class Connection:
     ) -> tuple[Any, memoryview | None]:
         """Send one request and wait for its answer. The deadline is the caller's cancel scope, or ``deadline`` (trio
         time): past it the connection's timer fails the call with RpcTimeout, which costs a call less than a cancel
-        scope of its own would. ``deadline`` bounds only the wait for the answer, so it suits calls whose sending
-        cannot block (no data section, nothing to negotiate).
+        scope of its own would. ``deadline`` bounds the wait for the answer and for a full socket to take the request,
+        nothing before that, so it suits calls that have nothing to negotiate (no data section).
 
         ``lend``: ``data`` stays unchanged until the answer arrives and carries its own checksum, so a server on
         this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`).
@@ -1013,7 +1013,8 @@ class RpcClient(TransportChoice):
         """Call ``method``; the response's data section lands in ``into`` when it is large enough."""
         attempts = 1 + (self._retries if method.idempotent else 0)
         deadline = self.call_timeout if timeout is None else timeout
-        small = data is None and into is None and not lend  # sending it cannot block: the connection's timer
+        # No data section: nothing to negotiate before sending, so the connection's timer can keep the deadline.
+        small = data is None and into is None and not lend
         for attempt in range(attempts):
             conn = self._connections.get(address) if small else None
             if conn is not None and not (conn.closed or not method.idempotent and conn.peer_gone()):
