@@ -3,12 +3,15 @@
 One connection carries many concurrent calls, matched by request id. Each side runs one reader task and one
 writer task per connection. A frame is written by its caller when nothing is queued and nothing follows it,
 else the writer drains the queue into one ``writev`` (a request while others are in flight, an inline handler's
-reply while more requests are already read: small calls in flight only pay off when frames are batched); the
-reader parses frames out of a reused buffer and hands each data section straight to the buffer its caller
-supplied, so bulk bytes are copied once, from the kernel into their destination. Both read and write the
-non-blocking descriptor directly and wait for readiness only when it is empty or full: a small call's round trip
-is mostly scheduler passes, and this leaves one per side where trio's socket methods took several. Handlers
-registered ``inline`` run in the reader task (no task per call).
+reply while more requests are already read: small calls in flight only pay off when frames are batched), and a
+queue of 16 frames goes out at once, so the peer works on one part while this side makes the next; the
+reader parses frames out of a reused buffer (those already buffered without awaiting anything) and hands each
+data section straight to the buffer its caller supplied, so bulk bytes are copied once, from the kernel into
+their destination. Both read and write the non-blocking descriptor directly and wait for readiness only when it
+is empty or full: a small call's round trip is mostly scheduler passes, and this leaves one per side where trio's
+socket methods took several. Handlers registered ``inline`` run in the reader task (no task per call). A client's
+small calls on an open connection are bounded by one deadline timer per connection rather than a cancel scope
+each.
 
 Every connection opens with the handshake of :mod:`kvfs.auth`, which proves both sides hold the cluster token and
 gives the connection its own frame keys; every later frame is tagged with them and an implicit sequence number.
@@ -38,6 +41,7 @@ import errno
 import functools
 import itertools
 import logging
+import math
 import os
 import select
 import socket as _socket
@@ -91,6 +95,10 @@ _IOV_MAX = 512
 _READ_BUFFER = 256 * 1024
 _YIELD_EVERY = 64
 _QUEUE_LIMIT = 4 * 1024 * 1024
+#: Queued frames that go out at once, without waiting for the writer task's pass: the peer starts on them while
+#: this side makes the rest. Without it many calls in flight moved as one batch, each side idle while the other
+#: worked through it.
+_FLUSH_FRAMES = 16
 #: Handshake frames are a nonce or a MAC in a few bytes of msgpack; anything larger is not a handshake.
 _HANDSHAKE_LIMITS = Limits(max_body=256)
 
@@ -160,6 +168,15 @@ class FrameReader:
                 raise ProtocolError(f"connection closed inside a frame ({self._end - self._start} of {need} bytes)")
             self._end += n
 
+    def take(self, n: int) -> memoryview | None:
+        """The next ``n`` bytes if they are buffered already (a view, valid until the next read), else None and
+        nothing consumed: most frames of a busy connection are, and parsing them needs no coroutine at all."""
+        start = self._start
+        if self._end - start < n:
+            return None
+        self._start = start + n
+        return self._view[start : start + n]
+
     async def read(self, n: int) -> memoryview | bytes:
         """Return the next ``n`` bytes; a view into the shared buffer, valid until the next read."""
         if n > len(self._buf):
@@ -191,7 +208,7 @@ class FrameReader:
             n -= step
 
 
-def _write_available(fd: int, views: list[memoryview]) -> int:
+def _write_available(fd: int, views: list[Buffer]) -> int:
     """Write from the front of ``views`` until they are all sent or the socket is full; trims ``views`` in
     place and returns the bytes written. Errors other than a full socket propagate."""
     total = 0
@@ -232,7 +249,7 @@ class _Writer:
         #: Seals each frame as it is queued, so sequence numbers follow the byte stream by construction; None
         #: until the connection's handshake gave it keys (handshake frames go untagged).
         self.signer = signer
-        self._queue: list[memoryview] = []
+        self._queue: list[Buffer] = []  # bytes, or byte-format views of the callers' buffers
         self._queued = 0  # bytes ever queued
         self._sent = 0  # bytes of those written so far
         self._wake = trio.Event()  # the queue has something, or close() was called
@@ -246,16 +263,25 @@ class _Writer:
         """Nothing more will be sent: the writer task has ended."""
         return self._stopped
 
-    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False) -> None:
+    async def put(self, buffers: list[Buffer], *, seal: bool = True, batch: bool = False,
+                  deadline: float = math.inf) -> None:
         """Send one frame (from :func:`kvfs.wire.encode_frame`) and its data buffers; ``seal=False`` only for the
         one frame a peer reads untagged (an authentication refusal). ``batch``: more frames are on their way
         (other calls in flight, more requests already read), so leave this one to the writer task, which sends
-        all that queued up by its next pass in one ``writev``."""
+        all that queued up by its next pass in one ``writev``. ``deadline`` (trio time): RpcTimeout if the frame
+        must wait for its bytes to reach the kernel until then."""
         if self._closed or self._stopped or self._error is not None:
             raise ConnectionLost("connection closed before the frame was sent")
+        frame = buffers[0]
         if seal and self.signer is not None:
-            buffers = [self.signer.seal(buffers[0]), *buffers[1:]]
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+            frame = self.signer.seal(frame)
+        if len(buffers) == 1 and type(frame) is bytes:  # most frames: nothing but the sealed header and body
+            views: list[Buffer] = [frame]
+            borrowed = False
+        else:
+            buffers = [frame, *buffers[1:]]
+            views = [b if type(b) is bytes else memoryview(b).cast("B") for b in buffers if len(b)]
+            borrowed = any(type(b) is not bytes for b in buffers)  # caller-owned: wait until they are sent
         if not self._queue and not batch:
             try:
                 _write_available(self._fd, views)
@@ -266,14 +292,25 @@ class _Writer:
             if not views:
                 return
         self._queue.extend(views)
-        self._queued += sum(len(v) for v in views)
-        self._wake.set()
-        if self._queued - self._sent > _QUEUE_LIMIT or any(type(b) is not bytes for b in buffers):
+        self._queued += sum(map(len, views))
+        if len(self._queue) >= _FLUSH_FRAMES:
+            try:
+                self._send_queued()
+            except OSError as exc:
+                self._error = exc
+                self._wake.set()
+                raise ConnectionLost(f"sending failed: {exc}") from None
+        if self._queue:
+            self._wake.set()
+        if borrowed or self._queued - self._sent > _QUEUE_LIMIT:
             end = self._queued
-            while self._sent < end:
-                if self._stopped:
-                    raise ConnectionLost("connection closed before the frame was sent")
-                await self._progress.wait()
+            with trio.move_on_at(deadline):
+                while self._sent < end:
+                    if self._stopped:
+                        raise ConnectionLost("connection closed before the frame was sent")
+                    await self._progress.wait()
+                return
+            raise RpcTimeout("the peer took in no more bytes before the call's deadline")
 
     async def run(self) -> None:
         """Send what ``put`` queued until :meth:`close` (flushing first) or until a send fails."""
@@ -282,11 +319,7 @@ class _Writer:
                 if self._error is not None:
                     raise self._error
                 if self._queue:
-                    sent = _write_available(self._fd, self._queue)
-                    if sent:
-                        self._sent += sent
-                        self._progress.set()
-                        self._progress = trio.Event()
+                    self._send_queued()
                     if self._queue:
                         await trio.lowlevel.wait_writable(self._fd)
                     continue
@@ -297,6 +330,14 @@ class _Writer:
         finally:
             self._stopped = True
             self._progress.set()
+
+    def _send_queued(self) -> None:
+        """Write as much of the queue as the socket takes; OSError for a broken connection."""
+        sent = _write_available(self._fd, self._queue)
+        if sent:
+            self._sent += sent
+            self._progress.set()
+            self._progress = trio.Event()
 
     def close(self) -> None:
         self._closed = True
@@ -321,6 +362,19 @@ async def _connect(address: str, timeout: float) -> trio.socket.SocketType:
     sock = stream.socket
     sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
     return sock
+
+
+async def _read_frame(reader: FrameReader, limits: Limits, signer: Signer) -> tuple[wire.Header, memoryview | bytes]:
+    """The next frame's header and body, its tag checked (AuthError otherwise); the body is a view into the read
+    buffer, valid until the next read. Frames already buffered are parsed without awaiting anything."""
+    raw = reader.take(wire.HEADER_SIZE)
+    raw = bytes(raw if raw is not None else await reader.read(wire.HEADER_SIZE))
+    header = wire.decode_header(raw, limits)
+    body = reader.take(header.body_len)
+    if body is None:
+        body = await reader.read(header.body_len)
+    wire.check_tag(signer, raw, header, body)
+    return header, body
 
 
 async def _read_handshake(reader: FrameReader, expect: Method, request: bool, peer: str) -> Any:
@@ -385,19 +439,52 @@ async def send_all(sock: trio.socket.SocketType, data: bytes) -> None:
 # --------------------------------------------------------------------------------------------- client
 
 
-@dataclass(slots=True)
 class _Pending:
-    method: Method
-    into: memoryview | None
-    done: trio.Event = field(default_factory=trio.Event)
-    response: Any = None
-    data: memoryview | None = None
-    error: BaseException | None = None
-    dst: Slab | None = None  # RDMA: the slab the server may write the response's data into
-    direct: DirectInto | None = None  # RDMA: or the caller's registered region, named in the request instead
-    offered: int = 0  # RDMA: how many bytes of it were offered
-    reply: Any = None  # SHM_REPLY: the buffer of this process's arena the server may write the answer's data into
-    reply_offset: int = 0  # its arena offset
+    """One call awaiting its answer. The caller parks on it with trio's low-level primitives, not a
+    ``trio.Event``: an event's parking lot cost about a microsecond a call on each side of the wait."""
+
+    __slots__ = ("method", "into", "deadline", "response", "data", "error", "finished", "_task", "dst", "direct",
+                 "offered", "reply", "reply_offset")
+
+    def __init__(self, method: Method, into: memoryview | None, deadline: float = math.inf, *, dst: Slab | None = None,
+                 direct: DirectInto | None = None, offered: int = 0) -> None:
+        self.method = method
+        self.into = into
+        #: when the connection's timer fails the call with RpcTimeout (inf: the caller's cancel scope bounds it)
+        self.deadline = deadline
+        self.response: Any = None
+        self.data: memoryview | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self._task: trio.lowlevel.Task | None = None
+        self.dst = dst  # RDMA: the slab the server may write the response's data into
+        self.direct = direct  # RDMA: or the caller's registered region, named in the request instead
+        self.offered = offered  # RDMA: how many bytes of it were offered
+        self.reply: Any = None  # SHM_REPLY: this process's arena buffer the server may write the answer's data into
+        self.reply_offset = 0  # its arena offset
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The answer (or ``error``) is in: wake the caller. Only the first finish counts."""
+        if self.finished:
+            return
+        self.finished = True
+        if error is not None:
+            self.error = error
+        task, self._task = self._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        """Until :meth:`finish`; a cancellation point like ``Event.wait``."""
+        if self.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        self._task = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 #: Arena buffers of calls given up on connections that closed before their answers came: a server may write into
@@ -426,6 +513,8 @@ class Connection:
         self._closed: BaseException | None = None
         self._going_away = False  # the server sent GOAWAY: no new calls on this connection
         self._cancel = trio.CancelScope()
+        self._timer_due = math.inf  # when the timer next looks for calls past their deadline
+        self._timer_wake = trio.Event()  # a call's deadline comes before that
         #: What the handshakes negotiated: how this connection's data sections travel besides TCP.
         self.links = ClientLinks(address, self.call, shared_memory=shared_memory)
         self._held: dict[int, list[Slab]] = {}  # slabs the server may still touch, by request id
@@ -467,6 +556,7 @@ class Connection:
             with self._cancel:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._run_writer)
+                    nursery.start_soon(self._run_timer)
                     task_status.started()
                     await self._run_reader()
         finally:
@@ -506,14 +596,29 @@ class Connection:
         except OSError as exc:
             self._fail_pending(ConnectionLost(f"sending to {self.address} failed: {exc}"))
 
+    async def _run_timer(self) -> None:
+        """Fail the calls past their ``deadline`` (see :meth:`call`). It sleeps until the earliest deadline it saw
+        and is woken only by a call due before that, which with one timeout per client is rare: a call's
+        deadline costs a comparison, where a cancel scope per call was a good part of a small call's CPU."""
+        while True:
+            now, due = trio.current_time(), math.inf
+            for pending in list(self._pending.values()):
+                if pending.deadline <= now:
+                    pending.finish(RpcTimeout(f"{pending.method.name} to {self.address} passed its deadline"))
+                elif pending.deadline < due:
+                    due = pending.deadline
+            self._timer_due = due
+            with trio.move_on_at(due):
+                await self._timer_wake.wait()
+            self._timer_wake = trio.Event()
+
     def _fail_pending(self, reason: BaseException) -> None:
         """Mark the connection dead and wake every caller still waiting on it."""
         if self._closed is None:
             self._closed = reason
         self._cancel.cancel()
         for pending in self._pending.values():
-            pending.error = self._closed
-            pending.done.set()
+            pending.finish(self._closed)
             if pending.reply is not None:  # unanswered: the server may still write into it (see _close_rdma)
                 _ABANDONED_REPLIES.append(pending.reply)
         self._pending.clear()
@@ -524,11 +629,8 @@ class Connection:
     async def _read_loop(self) -> None:
         reader = self._reader
         while True:
-            raw = bytes(await reader.read(wire.HEADER_SIZE))
-            header = wire.decode_header(raw, self._limits)
-            body = await reader.read(header.body_len)
             try:
-                wire.check_tag(self._signer, raw, header, body)
+                header, body = await _read_frame(reader, self._limits, self._signer)
             except AuthError as exc:
                 log.warning("closing connection to %s: %s", self.address, exc.message)
                 raise
@@ -559,8 +661,7 @@ class Connection:
                 else:
                     raise ProtocolError(f"server sent a {header.type.name} frame")
             except ProtocolError as exc:
-                pending.error = exc
-                pending.done.set()
+                pending.finish(exc)
                 raise
             if header.data_len:
                 target = pending.into
@@ -572,7 +673,7 @@ class Connection:
                 pending.data = target
             if self._held:
                 self._release_held(header.request_id)
-            pending.done.set()
+            pending.finish()
 
     def _rdma_answer(self, header: wire.Header, body: memoryview | bytes, pending: _Pending) -> None:
         """A flagged answer: an RDMA-ERROR (handler not run), or a response whose data the server RDMA-WROTE."""
@@ -632,8 +733,12 @@ class Connection:
         data: Buffer | Sequence[Buffer] | None = None,
         into: memoryview | DirectInto | None = None,
         lend: bool = False,
+        deadline: float = math.inf,
     ) -> tuple[Any, memoryview | None]:
-        """Send one request and wait for its answer; the deadline is the caller's cancel scope.
+        """Send one request and wait for its answer. The deadline is the caller's cancel scope, or ``deadline`` (trio
+        time): past it the connection's timer fails the call with RpcTimeout, which costs a call less than a cancel
+        scope of its own would. ``deadline`` bounds the wait for the answer and for a full socket to take the request,
+        nothing before that, so it suits calls that have nothing to negotiate (no data section).
 
         ``lend``: ``data`` stays unchanged until the answer arrives and carries its own checksum, so a server on
         this host may copy it straight out of this process's shared memory (:mod:`kvfs.transport.shm`).
@@ -656,7 +761,7 @@ class Connection:
             if answer is not None:
                 return answer
             # no slab free, or the server could not move the data: this call goes over TCP
-        pending = _Pending(method, into)
+        pending = _Pending(method, into, deadline)
         if into is not None and not shared and (reply := await self.links.reply_buffer(len(into))):
             pending.reply, pending.reply_offset = reply
             body += shm.encode_trailer(pending.reply_offset, len(into))
@@ -664,9 +769,11 @@ class Connection:
         frame = wire.encode_frame(FrameType.REQUEST, request_id, method.id, body, data_len, flags)
         batch = bool(self._pending)  # other calls in flight: their callers are likely sending too
         self._pending[request_id] = pending
+        if deadline < self._timer_due:
+            self._timer_wake.set()
         try:
-            await self._writer.put([frame, *buffers], batch=batch)
-            await pending.done.wait()
+            await self._writer.put([frame, *buffers], batch=batch, deadline=deadline)
+            await pending.wait()
         finally:
             if self._pending.pop(request_id, None) is not None and pending.reply is not None:
                 self._held_replies[request_id] = pending.reply  # given up: the server may still write into it
@@ -732,7 +839,7 @@ class Connection:
             try:
                 await self._writer.put([frame, *tcp_buffers])
                 sent = True
-                await pending.done.wait()
+                await pending.wait()
             finally:
                 given_up = self._pending.pop(request_id, None) is not None
                 if not sent:  # the server never saw the descriptors
@@ -906,16 +1013,26 @@ class RpcClient(TransportChoice):
         """Call ``method``; the response's data section lands in ``into`` when it is large enough."""
         attempts = 1 + (self._retries if method.idempotent else 0)
         deadline = self.call_timeout if timeout is None else timeout
+        # No data section: nothing to negotiate before sending, so the connection's timer can keep the deadline.
+        small = data is None and into is None and not lend
         for attempt in range(attempts):
-            # A bare cancel scope: fail_after's generator-based context manager cost a few microseconds a call.
-            with trio.CancelScope(deadline=trio.current_time() + deadline) as scope:
+            conn = self._connections.get(address) if small else None
+            if conn is not None and not (conn.closed or not method.idempotent and conn.peer_gone()):
                 try:
-                    conn = await self.connection(address, check_peer=not method.idempotent)
-                    return await conn.call(method, request, data=data, into=into, lend=lend)
+                    return await conn.call(method, request, deadline=trio.current_time() + deadline)
                 except (ConnectionLost, ServiceUnavailable) as exc:
                     error: KvfsError = exc
-            if scope.cancelled_caught:
-                error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
+                except RpcTimeout:
+                    error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
+            else:  # connecting, or a data section: one cancel scope bounds it all
+                with trio.CancelScope(deadline=trio.current_time() + deadline) as scope:
+                    try:
+                        conn = await self.connection(address, check_peer=not method.idempotent)
+                        return await conn.call(method, request, data=data, into=into, lend=lend)
+                    except (ConnectionLost, ServiceUnavailable) as exc:
+                        error = exc
+                if scope.cancelled_caught:
+                    error = RpcTimeout(f"{method.name} to {address} took longer than {deadline:g}s")
             if attempt + 1 < attempts:
                 await trio.sleep(min(0.05 * 2**attempt, 1.0))
         raise error
@@ -1137,10 +1254,7 @@ class RpcServer(TransportChoice):
         conn: PeerConnection,
     ) -> None:
         while True:
-            raw = bytes(await reader.read(wire.HEADER_SIZE))
-            header = wire.decode_header(raw, self._limits)
-            body = await reader.read(header.body_len)
-            wire.check_tag(signer, raw, header, body)
+            header, body = await _read_frame(reader, self._limits, signer)
             if header.type is not FrameType.REQUEST:
                 raise ProtocolError(f"client sent a {header.type.name} frame")
             flags = header.flags  # most requests have none: skip the Flag tests (~0.5 us each)
@@ -1186,17 +1300,17 @@ class RpcServer(TransportChoice):
                     raise ProtocolError("shared-memory data section from a client whose arena is not mapped")
                 data = memoryview(shm.SHARED.take(shared))  # in our own arena: a handler may lend it on
                 conn.shm.copy_out(offset, data)
-            try:
-                limiter.acquire_on_behalf_of_nowait(header.request_id)
-            except trio.WouldBlock:
-                await limiter.acquire_on_behalf_of(header.request_id)
-            args = (writer, peer, header.request_id, entry, request, data, failure, limiter, conn, buffers, oneway,
-                    reply_to)
+            args = (writer, peer, header.request_id, entry, request, data, failure, conn, buffers, oneway, reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):
-                # more requests already read: their replies join this one in the writer's next writev
+                # Run by this task, which reads nothing more meanwhile: no slot of the limiter needed. More
+                # requests already read: their replies join this one in the writer's next writev.
                 await self._dispatch(*args, batch=reader.buffered > 0)
             else:
-                nursery.start_soon(self._dispatch, *args)
+                try:
+                    limiter.acquire_on_behalf_of_nowait(header.request_id)
+                except trio.WouldBlock:
+                    await limiter.acquire_on_behalf_of(header.request_id)
+                nursery.start_soon(self._dispatch, *args, limiter)
 
     async def _dispatch(
         self,
@@ -1207,13 +1321,14 @@ class RpcServer(TransportChoice):
         request: Any,
         data: memoryview | None,
         failure: KvfsError | None,
-        limiter: trio.CapacityLimiter,
         conn: PeerConnection | None = None,
         buffers: tuple[Any, Any] | None = None,
         oneway: bool = False,
         reply_to: list[int] | None = None,
+        limiter: trio.CapacityLimiter | None = None,
         batch: bool = False,
     ) -> None:
+        """Run one request's handler and send its answer; ``limiter``: the slot a call in a task of its own holds."""
         ctx: CallContext | None = None
         delivered = False  # the reply is in the kernel, or there is none to send
         try:
@@ -1254,7 +1369,7 @@ class RpcServer(TransportChoice):
                     failure = KvfsError(f"internal error in {method.name}: {type(exc).__name__}: {exc}", errno.EIO)
                 finally:
                     self._running -= 1
-                    if not self._running:
+                    if not self._running and self._draining:  # only drain() waits for it
                         self._idle.set()
                         self._idle = trio.Event()
                 _call_timer(method.name).observe(trio.current_time() - started)
@@ -1274,7 +1389,8 @@ class RpcServer(TransportChoice):
                 pass
             delivered = True
         finally:
-            limiter.release_on_behalf_of(request_id)
+            if limiter is not None:
+                limiter.release_on_behalf_of(request_id)
             if ctx is not None and ctx._after_reply:
                 self._after_reply(ctx, delivered or writer.stopped)
 
