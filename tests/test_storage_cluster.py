@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -171,6 +173,51 @@ async def test_kill_chunkserver_during_writes_then_resync(cluster, processes, tm
     processes.stop_all()
     first, *others = replica_contents(tmp_path, (1, 2, 3))
     assert first and all(other == first for other in others)
+
+
+async def test_a_resync_after_a_few_small_writes_sends_only_their_blocks(cluster, processes, tmp_path):
+    """A replica down while 4 KiB writes change a few blocks of large chunks comes back holding the old versions:
+    its predecessor sends only the 64 KiB blocks that differ (the resync's log line counts the bytes), and every
+    replica then serves the new bytes."""
+    layout = Layout(chunk_size=4 << 20, stripe=1, seed=7)
+    model = bytearray(os.urandom(12 << 20))  # three chunks
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        await storage.write(55, layout, 0, model)
+        await storage.flush(55)
+        cluster.kill_chunkserver(2)
+        await _wait_for_state(mgmtd, 200, TargetState.OFFLINE)
+        rng = random.Random(3)
+        for _ in range(5):
+            at = rng.randrange(0, len(model) - 4096)
+            model[at : at + 4096] = data = os.urandom(4096)
+            await storage.write(55, layout, at, data)
+        cluster.start_chunkserver(2, cluster.chunkservers[2][0])
+        status = await wait_all_serving(mgmtd, 1, timeout=60)
+        done = [line for node in (1, 3) for line in processes.log(f"cs{node}").splitlines()
+                if "resync of target 200 done" in line]
+        assert done, "no resync logged"
+        sent, as_blocks, whole = map(int, re.search(r"(\d+) bytes sent, (\d+) chunks as changed blocks, (\d+) whole",
+                                                    done[-1]).groups())
+        assert whole == 0 and 1 <= as_blocks <= 3 and sent <= 10 * 64 * 1024  # at most 2 blocks per 4 KiB write
+        (chain,) = status.routing.chains
+        for target in chain.targets:  # every replica itself, the resynced one included
+            for index in range(3):
+                request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(55, index), 0,
+                                                   layout.chunk_size)])
+                with trio.fail_after(10):
+                    while True:  # until the replica's own heartbeat brought it the chain version we read under
+                        reply, got = await rpc.call_with_data(status.routing.addresses[target.node_id], p.READ,
+                                                              request)
+                        if reply.results[0].errno != errno.ESTALE:
+                            break
+                        await trio.sleep(0.1)
+                assert reply.results[0].errno == 0
+                assert bytes(got) == model[index * layout.chunk_size : (index + 1) * layout.chunk_size]
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert all(other == first for other in others)
 
 
 async def test_runs_of_a_chunk_are_one_version_on_every_replica(cluster, processes, tmp_path):
