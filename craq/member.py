@@ -52,8 +52,9 @@ was never answered. A member that leaves the chain answers its clients with ESTA
 
 A returning target sits at the end of the write chain as ``syncing``: its predecessor forwards writes to it
 as full-chunk replaces, asks it for its chunk versions (:class:`ResyncQuery`) and copies every committed chunk
-whose version or CRC differs; when all are acknowledged it reports :class:`ResyncDone` to mgmtd, which makes
-the target serving, and so the new read tail (rule 7a: from then on the old tail serves clean chunks only).
+whose version or CRC differs (only the blocks that differ where the driver can: :class:`SendChunk`); when all
+are acknowledged it reports :class:`ResyncDone` to mgmtd, which makes the target serving, and so the new read
+tail (rule 7a: from then on the old tail serves clean chunks only).
 The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at a member that mgmtd
 may already have removed from the chain.
 
