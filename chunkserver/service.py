@@ -664,8 +664,8 @@ class ChunkServer:
             await trio.to_thread.run_sync(lambda: engine.repair_blocks(
                 chunk_id, version, data, crc32c(data), block_runs(bad, fetched.length)))
         except KvfsError as exc:
-            log.warning("target %s chunk %s: blocks %s from target %s do not repair it (%s); copying it whole",
-                        engine.root, chunk_id, bad, source, exc.message)
+            log.warning("chunk %s: blocks %s from target %s do not repair it (%s); copying it whole",
+                        chunk_id, bad, source, exc.message)
             return False
         return True
 

@@ -19,7 +19,7 @@ from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.client import StorageClient
 from kvfs.craq.messages import ChunkId, TargetState
 from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
-from kvfs.errors import StaleRouting
+from kvfs.errors import KvfsError, StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs import wire
 from kvfs.wire import Empty, Limits
@@ -267,6 +267,28 @@ async def test_corrupt_replica_is_served_from_a_peer_and_repaired(cluster, proce
     processes.stop_all()
     first, *others = replica_contents(tmp_path, (1, 2, 3))
     assert all(other == first for other in others)  # the corrupt copy was repaired
+
+
+async def test_a_replica_with_one_bad_block_fetches_only_that_block(cluster, processes, tmp_path):
+    data = os.urandom(LAYOUT.chunk_size)  # one chunk of 16 blocks, in the first slot of its class's file
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        await storage.write(8, LAYOUT, 0, data)
+        with open(tmp_path / "cs2" / "data" / "20.dat", "r+b") as f:  # 1 MiB slots: flip a byte of block 3
+            f.seek(3 * 65536 + 5)
+            f.write(bytes([data[3 * 65536 + 5] ^ 0xFF]))
+        routing = await storage.routing()
+        (chain,) = routing.chains
+        request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(8, 0), 0, len(data))])
+        reply, got = await rpc.call_with_data(routing.addresses[2], p.READ, request)
+        assert reply.results[0].errno == 0 and bytes(got) == data
+        assert "chunk ChunkId(inode=8, index=0): blocks [3] repaired from target" in processes.log("cs2")
+        with pytest.raises(KvfsError) as refused:  # a block past the chunk's end is refused, nothing sent
+            await rpc.call_with_data(routing.addresses[1], p.FETCH, p.FetchChunk(100, ChunkId(8, 0), [16], 1))
+        assert refused.value.errno == errno.EINVAL
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert first[ChunkId(8, 0)] == data and all(other == first for other in others)
 
 
 async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
