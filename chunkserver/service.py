@@ -115,13 +115,34 @@ def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkState]:
     return chunks
 
 
-def _with_block_crcs(engine: ChunkEngine, state: ResyncState) -> ResyncState:
-    """A syncing target's list with each version's length and block CRCs, so the predecessor can send only the
-    blocks that differ (the member lists versions and CRCs; the blocks' CRCs are the engine's)."""
-    chunks = []
+def _with_block_crcs(engine: ChunkEngine, state: ResyncState) -> tuple[ResyncState, bytes]:
+    """A syncing target's list with each version's length, and the block CRCs of them all, so the predecessor can
+    send only the blocks that differ (the member lists versions and CRCs; the blocks' CRCs are the engine's). The
+    CRCs go as the frame's data section, not in the list (a body is at most 1 MiB, 256 bytes of CRCs per 4 MiB
+    chunk would shrink a list that fits to some 4,000 chunks): a summary's ``length`` says how many are its."""
+    chunks, crcs = [], []
     for x in state.chunks:
         blocks = engine.version_blocks(x.chunk_id, x.version) if x.version else None
-        chunks.append(x if blocks is None else ChunkSummary(x.chunk_id, x.version, x.crc, blocks[0], pack_crcs(blocks[1])))
+        if blocks is None:
+            chunks.append(x)
+        else:
+            chunks.append(ChunkSummary(x.chunk_id, x.version, x.crc, blocks[0]))
+            crcs.append(pack_crcs(blocks[1]))
+    return msgspec.structs.replace(state, chunks=tuple(chunks)), b"".join(crcs)
+
+
+def _attach_block_crcs(state: ResyncState, data: memoryview | bytes) -> ResyncState:
+    """The list as :func:`_with_block_crcs` made it, each summary with its block CRCs from the data section again;
+    with none at all if they do not add up (the predecessor then copies every differing chunk whole)."""
+    chunks, at = [], 0
+    for x in state.chunks:
+        n = 4 * -(-x.length // BLOCK)
+        chunks.append(msgspec.structs.replace(x, blocks=bytes(data[at : at + n])) if n else x)
+        at += n
+    if at != len(data):
+        log.warning("resync list from target %s: %d bytes of block CRCs for %d; copying whole", state.from_target,
+                    len(data), at)
+        return msgspec.structs.replace(state, chunks=tuple(msgspec.structs.replace(x, blocks=b"") for x in chunks))
     return msgspec.structs.replace(state, chunks=tuple(chunks))
 
 
@@ -360,8 +381,9 @@ class ChunkServer:
         engine = self.engines[target_id]
         for effect in effects:
             if isinstance(effect, Send):
-                msg = _with_block_crcs(engine, effect.msg) if isinstance(effect.msg, ResyncState) else effect.msg
-                self._nursery.start_soon(self._send_peer, effect.target, msg, None)
+                msg, data = _with_block_crcs(engine, effect.msg) if isinstance(effect.msg, ResyncState) else \
+                    (effect.msg, None)
+                self._nursery.start_soon(self._send_peer, effect.target, msg, data)
             elif isinstance(effect, SendChunk):
                 self._in_chunk_order(target_id, effect.msg.chunk_id, lambda e=effect: self._send_chunk(engine, e))
             elif isinstance(effect, PersistPending):
@@ -494,6 +516,8 @@ class ChunkServer:
         msg = envelope.msg
         if isinstance(msg, UpdateReq):  # the member always sees an update's bytes attached
             msg = msgspec.structs.replace(msg, data=data if data is not None else b"")
+        elif isinstance(msg, ResyncState):
+            msg = _attach_block_crcs(msg, data if data is not None else b"")
         target = self._chain_targets.get(msg.chain_id)
         if target is None:
             raise StaleRouting(f"no target of chain {msg.chain_id} here")

@@ -191,7 +191,8 @@ class VersionReply(Msg, frozen=True, tag=True):
 class ChunkSummary(msgspec.Struct, frozen=True, array_like=True):
     """One chunk of a :class:`ResyncState`. ``blocks`` (the version's 64 KiB block CRC32Cs as little-endian
     uint32s) and ``length``, added by the driver from its engine, let the predecessor send only the blocks that
-    differ; empty: it sends the chunk whole."""
+    differ; empty: it sends the chunk whole. On the wire ``blocks`` travel in the frame's data section, all the
+    list's one after another (``length`` says how many are each chunk's), not in the body."""
 
     chunk_id: ChunkId
     version: int
