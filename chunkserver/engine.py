@@ -1194,7 +1194,8 @@ class ChunkEngine:
         version's, or another block is bad too) with nothing changed."""
         committed, _ = self.versions(chunk_id)
         if committed is None or committed.version != version:
-            raise StaleVersion(f"chunk {chunk_id}: repair of v{version}, but v{committed.version if committed else 0} is committed")
+            held = committed.version if committed else 0
+            raise StaleVersion(f"chunk {chunk_id}: repair of v{version}, but v{held} is committed")
         self.write_delta(chunk_id, version, version, committed.length, committed.crc, data, crc, extents,
                          aux=committed.aux, force=True)
         return self.commit(chunk_id, version)

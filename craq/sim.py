@@ -39,7 +39,8 @@ from kvfs.craq.member import (
     ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    AckStatus, BlockDelta, ChecksumReport, ChunkId, ChunkSummary, ReadReq, ReadResp, ResyncDone, ResyncPull, ResyncState, TargetState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp,
+    AckStatus, BlockDelta, ChecksumReport, ChunkId, ChunkSummary, ReadReq, ReadResp, ResyncDone, ResyncPull,
+    ResyncState, TargetState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp,
 )
 
 
