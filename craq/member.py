@@ -8,6 +8,10 @@ Rules
    replace of a newer version. A duplicate of its pending version is a retransmit (idempotent); a duplicate
    of its committed version is acknowledged again. Anything else is refused with ``VERSION_GAP`` so the
    predecessor repairs it with a full-chunk replace.
+3a. A syncing member takes a partial update of a chunk only once the live chain has written that chunk there
+   since it started syncing (by a full replace or a resync copy): a version it held from before may be of
+   another lineage under the same number, so a partial update on top of it, or acknowledged as already there,
+   could leave it with other bytes. Until then it answers ``VERSION_GAP`` and gets the chunk whole.
 4. The last member of the write chain (serving targets, then at most one syncing target) commits first;
    the commit flows back as :class:`UpdateAck`; the head commits last and then replies to the client.
 5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch (by 64 KiB blocks,
@@ -582,6 +586,8 @@ class ChainMember:
         if p is not None and not p.orphan and u.version == p.update.version:
             # retransmit: forward again if we already did (the successor may have missed it)
             return self._forward(c) if p.persisted and self._successor() else []
+        if self.state is TargetState.SYNCING and not c.fresh and not u.full_replace:
+            return [self._ack(u, AckStatus.VERSION_GAP, c)]  # our copy may be of another lineage: take it whole first
         if p is None and u.version == c.committed and (c.fresh or not u.full_replace):
             return [self._ack(u, AckStatus.OK, c)]  # already committed here; our ack was lost
         if u.resync and c.fresh and u.version < c.committed:
@@ -621,12 +627,14 @@ class ChainMember:
         return self._forward(c) if self._successor() else self._commit(c)
 
     def _forward(self, c: _Chunk) -> list[Effect]:
-        """Send the (persisted) pending version on: as received to a serving successor, whole to a syncing
-        one (or when only the engine has the bytes, after a restart)."""
+        """Send the (persisted) pending version on as received; whole when only the engine has the bytes (after a
+        restart), and a full replace to a syncing successor as a forward of its own (not as the copy or pull it
+        came as). A syncing successor refuses a partial one (``VERSION_GAP``, and ``_acked`` sends it whole)
+        unless the live chain wrote its copy of the chunk since it started syncing (rule 3a)."""
         succ = self._successor()
         p = c.pending
         p.sent_at = self.now
-        if self.config.state_of(succ) is TargetState.SYNCING or p.update.data is None:
+        if p.update.data is None or (p.update.full_replace and self.config.state_of(succ) is TargetState.SYNCING):
             return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         return [Send(succ, msgspec.structs.replace(p.update, chain_version=self.chain_version, from_target=self.target_id))]
 

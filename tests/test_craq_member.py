@@ -282,13 +282,26 @@ def test_resync_copies_differing_chunks_then_reports_done():
     assert isinstance(chain.members[2].read_decision(CID, 3), Retry)  # syncing targets do not serve reads
 
 
-def test_writes_during_sync_reach_the_syncing_target_as_full_chunks():
-    chain = Chain(config(1, (1, S), (2, Y)))
+def test_writes_during_sync_reach_the_syncing_target_as_sent_once_it_holds_the_chunk_from_the_live_chain():
+    """Rule 3a: a chunk the syncing target held from before it left takes the first write whole (its version may
+    be of another lineage under the same number); once the live chain wrote it there, writes go as sent."""
+    chain = Chain(config(1, (1, S), (2, S)))
     chain.run(1, chain.members[1].handle(write(b"a")))
-    sends = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
-    assert sends and sends[0].full_replace and sends[0].data == b"a"
     chain.deliver_all()
-    assert chain.replies[-1].errno == 0 and chain.mgmtd == [ResyncDone(1, 1, 2)]
+    chain.reconfigure(config(2, (1, S), (2, Y)))
+    chain.outbox.clear()  # the resync: chunk 7 is in step, nothing to copy
+    chain.run(1, chain.members[1].handle(WriteReq(1, 2, CID, 9, 2, 0, crc32c(b"b"), b"b")))
+    (first,) = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    assert not first.full_replace and first.data == b"b"
+    chain.deliver_all()
+    refusals = [m for _, m in chain.sent if isinstance(m, UpdateAck) and m.status is AckStatus.VERSION_GAP]
+    wholes = [m for _, m in chain.sent if isinstance(m, UpdateReq) and m.full_replace]
+    assert len(refusals) == 1 and len(wholes) == 1 and chain.replies[-1].errno == 0
+    chain.sent.clear()
+    chain.run(1, chain.members[1].handle(WriteReq(1, 2, CID, 9, 3, 0, crc32c(b"c"), b"c")))
+    chain.deliver_all()
+    assert [m.full_replace for _, m in chain.sent if isinstance(m, UpdateReq)] == [False]
+    assert chain.replies[-1].errno == 0 and chain.engines[2].committed[CID].data == b"c"
 
 
 def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
@@ -509,7 +522,7 @@ def test_a_pending_replica_refuses_what_does_not_supersede_its_pending_version()
 def test_forwards_to_a_syncing_target_name_the_writer_and_resync_copies_name_nobody():
     chain = Chain(config(1, (1, S), (2, Y)))
     chain.run(1, chain.members[1].handle(write(b"a", request_id=4)))
-    (live,) = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    live = chain.members[1]._full_update(chain.members[1]._chunks[CID], 1, crc32c(b"a"), resync=False)  # rule 3a
     assert live.full_replace and (live.client_id, live.request_id, live.requests) == (9, 4, {9: 4})
     chain.deliver_all()
     copy = chain.members[1]._full_update(chain.members[1]._chunks[CID], 1, crc32c(b"a"), resync=True)
