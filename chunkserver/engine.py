@@ -150,7 +150,7 @@ from kvfs.chunkserver import rows
 from kvfs.chunkserver.held import HeldWrites
 from kvfs.chunkserver.slots import SlotFiles, class_for, enospc
 from kvfs.craq.messages import ChunkId
-from kvfs.crc import BLOCK, bad_block, block_crcs, fold_crc
+from kvfs.crc import BLOCK, bad_block, block_crcs, block_runs, fold_crc
 from kvfs.errors import ChecksumMismatch, KvfsError
 
 log = logging.getLogger("kvfs.chunkserver.engine")
@@ -740,8 +740,10 @@ class ChunkEngine:
     def _stage(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
-        extents: tuple[tuple[int, int], ...] | None = None,
+        extents: tuple[tuple[int, int], ...] | None = None, base: tuple[int, int] | None = None,
     ) -> ChunkVersion:
+        """``base``: (version, chunk CRC) of a delta (:meth:`write_delta`): the committed version it must apply to
+        and the CRC the result must have; the blocks it keeps are read and checked first."""
         asked_len = new_len
         for last_try in (False, True):
             with self._lock:
@@ -757,6 +759,8 @@ class ChunkEngine:
                         return self._meta(cid, v, entry)
                 if not force and version <= old.version:
                     raise StaleVersion(f"chunk {cid}: v{version} is not newer than committed v{old.version}")
+                if base is not None and old.version != base[0]:
+                    raise StaleVersion(f"chunk {cid}: a delta of v{base[0]}, but v{old.version} is committed")
                 whole = full_replace or (extents is None and offset == 0 and len(data) == new_len)
                 fresh = None if whole else _fresh_blocks(old, _runs(offset, data, extents), new_len)
                 # A new slot costs the page cache fresh pages and the file system an extent conversion on
@@ -780,6 +784,8 @@ class ChunkEngine:
                     self._execute(rows.COUNT_FLUSH, durable=True)
         try:
             try:
+                if base is not None:
+                    self._check_kept(old, _runs(offset, data, extents), new_len)
                 if fresh is None:
                     ((cls, slot),) = got
                     blocks = self._fill(old, cls, slot, offset, data, new_len, data_blocks, extents)
@@ -796,6 +802,8 @@ class ChunkEngine:
                             self._dirty_classes.add(written)
                 staged = _Version(version, new_len, crc if whole else fold_crc(blocks, new_len), blocks, cls, slot,
                                   origin, aux, overrides=overrides)
+                if base is not None and staged.crc != base[1]:
+                    raise ChecksumMismatch(f"chunk {cid}: v{version} from a delta of v{base[0]} does not match its CRC")
                 # old stays pinned until the new version's row names the slots they share
                 return self._publish_pending(cid, staged, force)
             finally:
@@ -807,6 +815,14 @@ class ChunkEngine:
             if isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise enospc(f"disk of target {self.root} is full") from e
             raise
+
+    def _check_kept(self, old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> None:
+        """Read and check every block a delta keeps from ``old``: its CRC in the row says which bytes the sender
+        compared against, but only a read says they are still on the disk (ChecksumMismatch if not)."""
+        self._settle(old)
+        kept = [b for b in range(_nblocks(new_len)) if _block_kind(runs, old.length, new_len, b)[0] == _OLD]
+        for lo, n in block_runs(kept, old.length):
+            self._read_verified(old, lo, memoryview(bytearray(n)))
 
     def _alloc_all(self, lengths: list[int], grow: bool) -> list[Slot] | None:
         """A slot for each of ``lengths`` (the caller holds the lock), or None if one is missing and not ``grow``;
@@ -1144,6 +1160,81 @@ class ChunkEngine:
         data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc)
         self._stage(chunk_id, version, 0, data, data_blocks, crc, full_replace=True, force=True)
         return self.commit(chunk_id, version)
+
+    def write_delta(
+        self, chunk_id: ChunkId, version: int, base_version: int, length: int, chunk_crc: int,
+        data: bytes | bytearray | memoryview, crc: int, extents: Sequence[Sequence[int]], *, aux: bytes = b"",
+        force: bool = False, block_crcs: list[int] | None = None,
+    ) -> ChunkVersion:
+        """Stage ``version`` = committed ``base_version`` with the whole blocks that ``extents`` of ``data`` hold
+        replaced, cut or zero-extended to ``length``: a resync or repair copy of only the blocks that differ,
+        written by block-level copy-on-write, so it is as crash-safe as any write. Every block kept from the base
+        is read and checked first, and the result must come to ``chunk_crc``; otherwise ChecksumMismatch (or
+        StaleVersion if ``base_version`` is no longer committed) and nothing is staged: copy the chunk whole.
+        ``force``: ``version`` need not be newer (a repair at the committed version). ``crc``, ``block_crcs``
+        and ``aux`` as in :meth:`write_pending`; EINVAL where a run does not cover whole blocks."""
+        data = memoryview(data).cast("B")
+        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
+        runs = tuple((start, n) for start, n in extents)
+        ends = [start + n for start, n in runs]
+        if not (0 <= length and sum(n for _, n in runs) == len(data)
+                and all(start % BLOCK == 0 and n > 0 and (end % BLOCK == 0 or end == length)
+                        for (start, n), end in zip(runs, ends))
+                and all(ends[k] <= runs[k + 1][0] for k in range(len(runs) - 1)) and (not runs or ends[-1] <= length)):
+            raise KvfsError(f"chunk {chunk_id}: delta runs {list(runs)[:4]}... of {len(data)} bytes are not whole "
+                            f"blocks of a {length}-byte version in order", errno.EINVAL)
+        return self._stage(chunk_id, version, runs[0][0] if runs else 0, data, data_blocks, crc, full_replace=False,
+                           force=force, new_len=length, aux=aux, extents=runs, base=(base_version, chunk_crc))
+
+    def repair_blocks(self, chunk_id: ChunkId, version: int, data: bytes | bytearray | memoryview, crc: int,
+                      extents: Sequence[Sequence[int]]) -> ChunkVersion:
+        """Replace whole blocks of committed ``version`` by a peer's copies of them (``extents`` of ``data``, as in
+        :meth:`write_delta`), as a new copy of the same version with its length, CRCs and ``aux`` unchanged: the
+        repair of blocks that failed their CRC. Raises as :meth:`write_delta` (the peer's blocks are not this
+        version's, or another block is bad too) with nothing changed."""
+        committed, _ = self.versions(chunk_id)
+        if committed is None or committed.version != version:
+            held = committed.version if committed else 0
+            raise StaleVersion(f"chunk {chunk_id}: repair of v{version}, but v{held} is committed")
+        self.write_delta(chunk_id, version, version, committed.length, committed.crc, data, crc, extents,
+                         aux=committed.aux, force=True)
+        return self.commit(chunk_id, version)
+
+    def read_runs(self, chunk_id: ChunkId, version: int, runs: Sequence[tuple[int, int]]) -> bytearray:
+        """The bytes of ``runs`` (``(offset, length)``) of ``version``, one after another, every block checked."""
+        out = bytearray(sum(n for _, n in runs))
+        at = 0
+        for start, n in runs:
+            got, _ = self.read(chunk_id, start, n, version=version, into=memoryview(out)[at : at + n])
+            if got != n:
+                raise KvfsError(f"chunk {chunk_id} v{version}: run {start}+{n} past its end", errno.EINVAL)
+            at += n
+        return out
+
+    def version_blocks(self, chunk_id: ChunkId, version: int) -> tuple[int, array] | None:
+        """(length, block CRCs) of the committed or pending ``version`` of a chunk, or None: what a resync
+        compares to send only the blocks that differ."""
+        with self._lock:
+            entry = self._entry(chunk_id)
+            v = next((x for x in (entry.committed, entry.pending) if x is not None and x.version == version),
+                     None) if entry is not None else None
+            return None if v is None else (v.length, array("I", v.blocks))
+
+    def bad_blocks(self, chunk_id: ChunkId) -> tuple[int, list[int]]:
+        """(committed version, its blocks whose bytes on the disk fail their CRC), each block read and checked
+        on its own: what a repair must fetch. ENOENT if the chunk has no committed version."""
+        v, _ = self._pin_version(chunk_id, None)
+        try:
+            self._settle(v)
+            bad = []
+            for b in range(_nblocks(v.length)):
+                try:
+                    self._read_verified(v, b * BLOCK, memoryview(bytearray(min(BLOCK, v.length - b * BLOCK))))
+                except ChecksumMismatch:
+                    bad.append(b)
+            return v.version, bad
+        finally:
+            self._release(v)
 
     def space(self) -> tuple[int, int, int]:
         """(capacity, used, free) in bytes for statfs; used counts the slots of live versions."""

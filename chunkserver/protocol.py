@@ -52,15 +52,21 @@ class ReadBatchResult(msgspec.Struct, array_like=True):
 
 
 class FetchChunk(msgspec.Struct, array_like=True):
-    """Peer -> peer: send me your committed copy of a chunk (repairing a corrupt replica)."""
+    """Peer -> peer: send me your committed copy of a chunk (repairing a corrupt replica): the whole chunk, or
+    only ``blocks`` (64 KiB block indexes, sorted), one after another, if its committed version is ``version``."""
 
     target_id: int
     chunk_id: ChunkId
+    blocks: list[int] | None = None
+    version: int = 0
 
 
 class FetchedChunk(msgspec.Struct, array_like=True):
+    """The committed version sent (its ``crc`` and ``length``); with ``blocks`` asked at another version, no data."""
+
     version: int
     crc: int
+    length: int = 0
 
 
 class RemoveChunks(msgspec.Struct, array_like=True):

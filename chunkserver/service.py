@@ -47,7 +47,20 @@ from kvfs.craq.member import (
     ServeVersion,
     Tick,
 )
-from kvfs.craq.messages import ChecksumReport, ChunkId, Msg, ResyncDone, UpdateReq, VersionQuery, WriteReq, WriteResp
+from kvfs.craq.messages import (
+    BlockDelta,
+    ChecksumReport,
+    ChunkId,
+    ChunkSummary,
+    Msg,
+    ResyncDone,
+    ResyncState,
+    UpdateReq,
+    VersionQuery,
+    WriteReq,
+    WriteResp,
+)
+from kvfs.crc import BLOCK, block_runs, changed_blocks, pack_crcs, unpack_crcs
 from kvfs.craq.client import CHECKSUM_REPORT, HEARTBEAT, REGISTER, RESYNC_DONE, MgmtdClient, RegisterNode
 from kvfs.aio import Workers, one_error
 from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError, StaleRouting, from_wire
@@ -60,6 +73,9 @@ log = logging.getLogger("kvfs.chunkserver")
 
 RESYNC_LEFT = prometheus_client.Gauge(
     "kvfs_resync_chunks_left", "Chunks still to copy to a syncing target (-1: not counted yet)", ["target"]
+)
+RESYNC_BYTES = prometheus_client.Counter(
+    "kvfs_resync_bytes_total", "Chunk bytes sent to syncing targets, as changed blocks or as whole chunks", ["how"]
 )
 LOCATED = prometheus_client.Counter(
     "kvfs_chunk_located", "Chunk versions located and pinned for short-circuit readers on this host"
@@ -97,6 +113,55 @@ def _member_chunks(engine: ChunkEngine) -> dict[ChunkId, ChunkState]:
             *((pending.version, pending.crc, pending.length) if pending else ()),
         )
     return chunks
+
+
+def _with_block_crcs(engine: ChunkEngine, state: ResyncState) -> tuple[ResyncState, bytes]:
+    """A syncing target's list with each version's length, and the block CRCs of them all, so the predecessor can
+    send only the blocks that differ (the member lists versions and CRCs; the blocks' CRCs are the engine's). The
+    CRCs go as the frame's data section, not in the list (a body is at most 1 MiB, 256 bytes of CRCs per 4 MiB
+    chunk would shrink a list that fits to some 4,000 chunks): a summary's ``length`` says how many are its."""
+    chunks, crcs = [], []
+    for x in state.chunks:
+        blocks = engine.version_blocks(x.chunk_id, x.version) if x.version else None
+        if blocks is None:
+            chunks.append(x)
+        else:
+            chunks.append(ChunkSummary(x.chunk_id, x.version, x.crc, blocks[0]))
+            crcs.append(pack_crcs(blocks[1]))
+    return msgspec.structs.replace(state, chunks=tuple(chunks)), b"".join(crcs)
+
+
+def _attach_block_crcs(state: ResyncState, data: memoryview | bytes) -> ResyncState:
+    """The list as :func:`_with_block_crcs` made it, each summary with its block CRCs from the data section again;
+    with none at all if they do not add up (the predecessor then copies every differing chunk whole)."""
+    chunks, at = [], 0
+    for x in state.chunks:
+        n = 4 * -(-x.length // BLOCK)
+        chunks.append(msgspec.structs.replace(x, blocks=bytes(data[at : at + n])) if n else x)
+        at += n
+    if at != len(data):
+        log.warning("resync list from target %s: %d bytes of block CRCs for %d; copying whole", state.from_target,
+                    len(data), at)
+        return msgspec.structs.replace(state, chunks=tuple(msgspec.structs.replace(x, blocks=b"") for x in chunks))
+    return msgspec.structs.replace(state, chunks=tuple(chunks))
+
+
+def _chunk_copy(engine: ChunkEngine, e: SendChunk) -> tuple[bytearray, UpdateReq]:
+    """The bytes and message of a :class:`SendChunk`: the whole chunk, or for a resync copy whose receiver listed
+    its block CRCs, only the blocks that differ from its copy (a delta), unless half of them or more do (then a
+    whole copy, a fresh base at the receiver, costs it less than the delta's checks of what it keeps)."""
+    msg, theirs = e.msg, e.theirs
+    ours = engine.version_blocks(msg.chunk_id, msg.version) if theirs is not None and theirs.blocks else None
+    if ours is not None:
+        length, crcs = ours
+        changed = changed_blocks(crcs, length, unpack_crcs(theirs.blocks), theirs.length)
+        if 2 * len(changed) < len(crcs):
+            runs = block_runs(changed, length)
+            data = engine.read_runs(msg.chunk_id, msg.version, runs)
+            delta = BlockDelta(theirs.version, theirs.crc, length, msg.crc)
+            return data, msgspec.structs.replace(msg, crc=crc32c(data), extents=runs, delta=delta)
+    data, _ = engine.read(msg.chunk_id, 0, p.MAX_CHUNK_SIZE, version=msg.version)
+    return data, msgspec.structs.replace(msg, crc=crc32c(data))
 
 
 def _hole_or_moved_on(exc: KvfsError, engine: ChunkEngine, chunk_id: ChunkId, version: int) -> None:
@@ -162,6 +227,8 @@ class ChunkServer:
         self._readers = Workers("chunk-read")
         self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
+        #: syncing target -> [bytes, chunks sent as changed blocks, chunks sent whole] of its resync, logged when done
+        self._resync_sent: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
         #: targets that may have lost acknowledged unflushed writes before this incarnation (engine.unclean_stop)
         self.unclean_targets = tuple(sorted(t for t, engine in engines.items() if engine.unclean_stop))
 
@@ -314,10 +381,11 @@ class ChunkServer:
         engine = self.engines[target_id]
         for effect in effects:
             if isinstance(effect, Send):
-                self._nursery.start_soon(self._send_peer, effect.target, effect.msg, None)
+                msg, data = _with_block_crcs(engine, effect.msg) if isinstance(effect.msg, ResyncState) else \
+                    (effect.msg, None)
+                self._nursery.start_soon(self._send_peer, effect.target, msg, data)
             elif isinstance(effect, SendChunk):
-                self._in_chunk_order(target_id, effect.msg.chunk_id,
-                                     lambda e=effect: self._send_whole_chunk(engine, e))
+                self._in_chunk_order(target_id, effect.msg.chunk_id, lambda e=effect: self._send_chunk(engine, e))
             elif isinstance(effect, PersistPending):
                 self._in_chunk_order(target_id, effect.chunk_id, lambda e=effect: self._persist(target_id, e))
             elif isinstance(effect, Commit):
@@ -337,6 +405,10 @@ class ChunkServer:
                     waiter.reply = effect.msg
                     waiter.done.set()
             elif isinstance(effect, ReportToMgmtd):
+                if isinstance(effect.msg, ResyncDone) and effect.msg.target_id in self._resync_sent:
+                    sent, as_blocks, whole = self._resync_sent.pop(effect.msg.target_id)
+                    log.info("resync of target %s done: %d bytes sent, %d chunks as changed blocks, %d whole",
+                             effect.msg.target_id, sent, as_blocks, whole)
                 self._nursery.start_soon(self._report, effect.msg)
 
     def _in_chunk_order(self, target_id: int, chunk_id: ChunkId, job: Callable[[], Any]) -> None:
@@ -365,29 +437,37 @@ class ChunkServer:
 
     async def _persist(self, target_id: int, e: PersistPending) -> None:
         engine = self.engines[target_id]
+        aux = _requests_codec[0].encode(e.requests)
         try:
-            meta = await self._workers.run(
-                lambda: engine.write_pending(
+            if e.delta is not None:
+                d = e.delta
+                meta = await self._workers.run(lambda: engine.write_delta(
+                    e.chunk_id, e.version, d.base_version, d.length, d.chunk_crc, e.data, e.crc, e.extents or (),
+                    aux=aux, force=e.force, block_crcs=e.block_crcs))
+            else:
+                meta = await self._workers.run(lambda: engine.write_pending(
                     e.chunk_id, e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
-                    chunk_size=p.MAX_CHUNK_SIZE, aux=_requests_codec[0].encode(e.requests), force=e.force,
-                    block_crcs=e.block_crcs, extents=e.extents,
-                )
-            )
+                    chunk_size=p.MAX_CHUNK_SIZE, aux=aux, force=e.force, block_crcs=e.block_crcs, extents=e.extents,
+                ))
         except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version
             log.warning("target %s cannot store chunk %s v%s: %s", target_id, e.chunk_id, e.version, exc.message)
             self._feed(target_id, PersistFailed(e.chunk_id, e.version, exc.errno or errno.EIO, exc.message))
             return
         self._feed(target_id, Persisted(e.chunk_id, e.version, meta.crc, meta.length))
 
-    async def _send_whole_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
+    async def _send_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
         try:
-            data, _ = await trio.to_thread.run_sync(
-                lambda: engine.read(e.msg.chunk_id, 0, p.MAX_CHUNK_SIZE, version=e.msg.version)
-            )
+            data, msg = await trio.to_thread.run_sync(lambda: _chunk_copy(engine, e))
         except KvfsError as exc:
             log.warning("cannot send chunk %s v%s to %s: %s", e.msg.chunk_id, e.msg.version, e.target, exc.message)
             return
-        self._nursery.start_soon(self._send_peer, e.target, msgspec.structs.replace(e.msg, crc=crc32c(data)), data)
+        if msg.resync:
+            how = "blocks" if msg.delta is not None else "whole"
+            RESYNC_BYTES.labels(how).inc(len(data))
+            sent = self._resync_sent[e.target]
+            sent[0] += len(data)
+            sent[1 if msg.delta is not None else 2] += 1
+        self._nursery.start_soon(self._send_peer, e.target, msg, data)
 
     async def _send_peer(self, target_id: int, msg: Msg, data: Any) -> None:
         """One-way message to another member; losses are repaired by the member's retransmissions."""
@@ -436,6 +516,8 @@ class ChunkServer:
         msg = envelope.msg
         if isinstance(msg, UpdateReq):  # the member always sees an update's bytes attached
             msg = msgspec.structs.replace(msg, data=data if data is not None else b"")
+        elif isinstance(msg, ResyncState):
+            msg = _attach_block_crcs(msg, data if data is not None else b"")
         target = self._chain_targets.get(msg.chain_id)
         if target is None:
             raise StaleRouting(f"no target of chain {msg.chain_id} here")
@@ -562,27 +644,54 @@ class ChunkServer:
             return b""
 
     async def _repair(self, member: ChainMember, chunk_id: ChunkId) -> None:
-        """Replace a corrupt local copy with a peer's committed copy of the same version."""
+        """Replace a corrupt local copy with a peer's committed copy of the same version: only the blocks that
+        fail their CRC where a peer has the version and its blocks make ours whole again, else the whole chunk."""
         assert member.config is not None
         committed, _ = member.chunk_versions(chunk_id)
+        engine = self.engines[member.target_id]
+        try:
+            version, bad = await trio.to_thread.run_sync(lambda: engine.bad_blocks(chunk_id))
+        except KvfsError:
+            version, bad = -1, []
         for t in member.config.targets:
             if t.target_id == member.target_id or t.state.value != "serving":
                 continue
             try:
                 address = self._address_of_target(t.target_id)
+                if version == committed and bad and await self._repair_blocks(engine, address, t.target_id, chunk_id,
+                                                                              committed, bad):
+                    log.info("target %s chunk %s: blocks %s repaired from target %s", member.target_id, chunk_id,
+                             bad, t.target_id)
+                    return
                 fetched, data = await self.rpc.call_with_data(address, p.FETCH, p.FetchChunk(t.target_id, chunk_id))
             except KvfsError as exc:
                 log.warning("repair source %s failed: %s", t.target_id, exc.message)
                 continue
             if fetched.version != committed:
                 continue
-            engine = self.engines[member.target_id]
             await trio.to_thread.run_sync(
                 lambda: engine.replace_full(chunk_id, fetched.version, data or b"", fetched.crc)
             )
             log.info("target %s chunk %s repaired from target %s", member.target_id, chunk_id, t.target_id)
             return
         raise ChecksumMismatch(f"chunk {chunk_id} is corrupt here and no peer holds v{committed}")
+
+    async def _repair_blocks(self, engine: ChunkEngine, address: str, source: int, chunk_id: ChunkId, version: int,
+                             bad: list[int]) -> bool:
+        """Fetch blocks ``bad`` of ``version`` from target ``source`` and write them over ours; whether it worked
+        (the source holds another version, or its blocks do not make ours whole: copy the chunk whole)."""
+        fetched, data = await self.rpc.call_with_data(address, p.FETCH, p.FetchChunk(source, chunk_id, bad, version))
+        if fetched.version != version:
+            return False
+        data = data or b""
+        try:
+            await trio.to_thread.run_sync(lambda: engine.repair_blocks(
+                chunk_id, version, data, crc32c(data), block_runs(bad, fetched.length)))
+        except KvfsError as exc:
+            log.warning("chunk %s: blocks %s from target %s do not repair it (%s); copying it whole",
+                        chunk_id, bad, source, exc.message)
+            return False
+        return True
 
     async def _on_fetch(self, req: p.FetchChunk, data: Any, ctx: CallContext) -> Any:
         engine = self.engines.get(req.target_id)
@@ -591,8 +700,16 @@ class ChunkServer:
         committed, _ = engine.versions(req.chunk_id)
         if committed is None:
             raise KvfsError(f"chunk {req.chunk_id} not on target {req.target_id}", errno.ENOENT)
-        buf, meta = await trio.to_thread.run_sync(lambda: engine.read(req.chunk_id, 0, p.MAX_CHUNK_SIZE))
-        return p.FetchedChunk(meta.version, meta.crc), buf
+        if req.blocks is None:
+            buf, meta = await trio.to_thread.run_sync(lambda: engine.read(req.chunk_id, 0, p.MAX_CHUNK_SIZE))
+            return p.FetchedChunk(meta.version, meta.crc, meta.length), buf
+        if committed.version != req.version:
+            return p.FetchedChunk(committed.version, committed.crc, committed.length), b""
+        if sorted(set(req.blocks)) != req.blocks or any(not 0 <= b * BLOCK < committed.length for b in req.blocks):
+            raise KvfsError(f"blocks {req.blocks[:8]} are not sorted blocks of chunk {req.chunk_id}", errno.EINVAL)
+        runs = block_runs(req.blocks, committed.length)
+        buf = await trio.to_thread.run_sync(lambda: engine.read_runs(req.chunk_id, committed.version, runs))
+        return p.FetchedChunk(committed.version, committed.crc, committed.length), buf
 
     async def _on_remove(self, req: p.RemoveChunks, data: Any, ctx: CallContext) -> p.Removed:
         return p.Removed(await self._remove_chunks(lambda engine: engine.remove_from(req.inode, req.from_index)))

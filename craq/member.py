@@ -8,6 +8,10 @@ Rules
    replace of a newer version. A duplicate of its pending version is a retransmit (idempotent); a duplicate
    of its committed version is acknowledged again. Anything else is refused with ``VERSION_GAP`` so the
    predecessor repairs it with a full-chunk replace.
+3a. A syncing member takes a partial update of a chunk only once the live chain has written that chunk there
+   since it started syncing (by a full replace or a resync copy): a version it held from before may be of
+   another lineage under the same number, so a partial update on top of it, or acknowledged as already there,
+   could leave it with other bytes. Until then it answers ``VERSION_GAP`` and gets the chunk whole.
 4. The last member of the write chain (serving targets, then at most one syncing target) commits first;
    the commit flows back as :class:`UpdateAck`; the head commits last and then replies to the client.
 5. Data carries a CRC32C. This module computes ``crc32c(data)`` itself and refuses a mismatch (by 64 KiB blocks,
@@ -52,8 +56,9 @@ was never answered. A member that leaves the chain answers its clients with ESTA
 
 A returning target sits at the end of the write chain as ``syncing``: its predecessor forwards writes to it
 as full-chunk replaces, asks it for its chunk versions (:class:`ResyncQuery`) and copies every committed chunk
-whose version or CRC differs; when all are acknowledged it reports :class:`ResyncDone` to mgmtd, which makes
-the target serving, and so the new read tail (rule 7a: from then on the old tail serves clean chunks only).
+whose version or CRC differs (only the blocks that differ where the driver can: :class:`SendChunk`); when all
+are acknowledged it reports :class:`ResyncDone` to mgmtd, which makes the target serving, and so the new read
+tail (rule 7a: from then on the old tail serves clean chunks only).
 The lease (from mgmtd heartbeats, shorter than mgmtd's failure timeout) fences reads at a member that mgmtd
 may already have removed from the chain.
 
@@ -85,6 +90,7 @@ from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError
 
 from kvfs.craq.messages import (
     AckStatus,
+    BlockDelta,
     ChainConfig,
     ChecksumReport,
     ChunkId,
@@ -160,10 +166,14 @@ class Send:
 @dataclass(frozen=True)
 class SendChunk:
     """Send ``msg`` (a full-chunk :class:`UpdateReq`) with ``data`` = the whole chunk at ``msg.version``,
-    read from the local engine (committed or pending)."""
+    read from the local engine (committed or pending).
+
+    ``theirs``: a resync copy's receiver listed this copy of the chunk; where it names block CRCs the driver may
+    send only the blocks that differ (``msg.delta``, :func:`kvfs.crc.changed_blocks`) instead of the whole chunk."""
 
     target: int
     msg: UpdateReq
+    theirs: ChunkSummary | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,8 @@ class PersistPending:
     #: CRC32Cs of ``data``'s 64 KiB blocks (:func:`kvfs.crc.block_crcs`), computed by the check of the data
     block_crcs: list[int] | None = field(default=None, compare=False, repr=False)
     extents: list[tuple[int, int]] | None = None  # the runs ``data`` holds (:class:`WriteReq`)
+    #: a resync copy of only the blocks that differ: ``engine.write_delta`` (which checks the blocks it keeps)
+    delta: BlockDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +340,9 @@ class _ResyncJob:
     done: bool = False  # ResyncDone reported: mgmtd may make the successor the read tail at any moment (rule 7a)
     total: int = 0  # chunks found to differ, for progress reports
     pull: bool = False  # recovering (rule 9): ``outstanding`` are chunks to pull from the successor, not to copy
+    #: the successor's copies as it listed them, so a copy may carry only the blocks that differ; dropped for a
+    #: chunk whose delta it refused, which then goes whole
+    theirs: dict[ChunkId, ChunkSummary] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------- the member
@@ -571,6 +586,8 @@ class ChainMember:
         if p is not None and not p.orphan and u.version == p.update.version:
             # retransmit: forward again if we already did (the successor may have missed it)
             return self._forward(c) if p.persisted and self._successor() else []
+        if self.state is TargetState.SYNCING and not c.fresh and not u.full_replace:
+            return [self._ack(u, AckStatus.VERSION_GAP, c)]  # our copy may be of another lineage: take it whole first
         if p is None and u.version == c.committed and (c.fresh or not u.full_replace):
             return [self._ack(u, AckStatus.OK, c)]  # already committed here; our ack was lost
         if u.resync and c.fresh and u.version < c.committed:
@@ -582,6 +599,8 @@ class ChainMember:
                 return [self._ack(u, AckStatus.VERSION_GAP, c)]
         elif not (u.version == c.committed + 1 or (u.full_replace and (not c.fresh or u.version > c.committed))):
             return [self._ack(u, AckStatus.VERSION_GAP, c)]
+        if u.delta is not None and (p is not None or (c.committed, c.crc) != (u.delta.base_version, u.delta.base_crc)):
+            return [self._ack(u, AckStatus.VERSION_GAP, c)]  # made against a copy we no longer hold: send it whole
         c.fresh = True
         return self._accept(c, u, blocks)
 
@@ -592,7 +611,7 @@ class ChainMember:
         c.pending = _Pending(u, requests)
         force = u.full_replace and u.version <= c.committed
         return [PersistPending(u.chunk_id, u.version, u.offset, u.data or b"", u.crc, u.full_replace, dict(requests),
-                               force, blocks, u.extents)]
+                               force, blocks, u.extents, u.delta)]
 
     def _persisted(self, c: _Chunk, e: Persisted) -> list[Effect]:
         if e.version != c.pending.update.version:
@@ -608,12 +627,14 @@ class ChainMember:
         return self._forward(c) if self._successor() else self._commit(c)
 
     def _forward(self, c: _Chunk) -> list[Effect]:
-        """Send the (persisted) pending version on: as received to a serving successor, whole to a syncing
-        one (or when only the engine has the bytes, after a restart)."""
+        """Send the (persisted) pending version on as received; whole when only the engine has the bytes (after a
+        restart), and a full replace to a syncing successor as a forward of its own (not as the copy or pull it
+        came as). A syncing successor refuses a partial one (``VERSION_GAP``, and ``_acked`` sends it whole)
+        unless the live chain wrote its copy of the chunk since it started syncing (rule 3a)."""
         succ = self._successor()
         p = c.pending
         p.sent_at = self.now
-        if self.config.state_of(succ) is TargetState.SYNCING or p.update.data is None:
+        if p.update.data is None or (p.update.full_replace and self.config.state_of(succ) is TargetState.SYNCING):
             return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         return [Send(succ, msgspec.structs.replace(p.update, chain_version=self.chain_version, from_target=self.target_id))]
 
@@ -673,6 +694,10 @@ class ChainMember:
         """Nothing was stored: no member can have committed this version, so the chain abandons it."""
         if e.version != c.pending.update.version:
             raise ProtocolError(f"failed version {e.version}, pending is {c.pending.update.version}")
+        u = c.pending.update
+        if u.delta is not None:  # a block it kept is corrupt here, or the copy moved on: ask for the chunk whole
+            c.pending = None
+            return [self._ack(u, AckStatus.VERSION_GAP, c)]
         return self._abandon(c, KvfsError(e.message, e.errno))
 
     def _abandon(self, c: _Chunk, error: KvfsError) -> list[Effect]:
@@ -763,10 +788,10 @@ class ChainMember:
             job.outstanding = {x.chunk_id for x in s.chunks if self._pull_needed(x.chunk_id, x.version)}
             job.total = len(job.outstanding)
             return self._pull(job)
-        theirs = {x.chunk_id: (x.version, x.crc) for x in s.chunks}
+        job.theirs = {x.chunk_id: x for x in s.chunks}
         job.outstanding = set()
         differing = [cid for cid, c in self._chunks.items()
-                     if c.pending is not None or theirs.get(cid, (0, 0)) != (c.committed, c.crc)]
+                     if c.pending is not None or _listed(job.theirs.get(cid)) != (c.committed, c.crc)]
         job.total = len(differing)
         return self._resync_send(job, differing)
 
@@ -813,19 +838,28 @@ class ChainMember:
         return self._resync_maybe_done(job)
 
     def _resync_send(self, job: _ResyncJob, chunk_ids: list[ChunkId]) -> list[Effect]:
-        """Copy clean chunks whole; a dirty one is covered by its pending write's full-chunk forward."""
+        """Copy clean chunks (whole, or the blocks that differ from the successor's listed copy); a dirty one is
+        covered by its pending write's full-chunk forward."""
         job.sent_at = self.now
         effects: list[Effect] = []
         for cid in chunk_ids:
             c = self._chunks[cid]
             job.outstanding.add(cid)
             if c.pending is None:
-                effects.append(SendChunk(job.target, self._full_update(c, c.committed, c.crc, resync=True)))
+                effects.append(self._resync_copy(job, c))
         return effects + self._resync_maybe_done(job)
+
+    def _resync_copy(self, job: _ResyncJob, c: _Chunk) -> SendChunk:
+        return SendChunk(job.target, self._full_update(c, c.committed, c.crc, resync=True), job.theirs.get(c.cid))
 
     def _resync_acked(self, a: UpdateAck) -> list[Effect]:
         job = self._resync
-        if job is None or job.outstanding is None or a.status is not AckStatus.OK or a.chunk_id not in job.outstanding:
+        if job is None or job.outstanding is None or a.chunk_id not in job.outstanding:
+            return []
+        if a.status is AckStatus.VERSION_GAP and a.resync and job.theirs.pop(a.chunk_id, None) is not None:
+            c = self._chunks[a.chunk_id]  # it refused a delta: from now on the chunk goes whole
+            return [self._resync_copy(job, c)] if c.pending is None else []
+        if a.status is not AckStatus.OK:
             return []
         if a.committed_version < self._chunks[a.chunk_id].committed:
             return []  # confirms an older copy than we hold now; wait for the newer one
@@ -903,6 +937,10 @@ class ChainMember:
 
 
 _IN_CHAIN = (TargetState.SERVING, TargetState.SYNCING)
+
+
+def _listed(x: ChunkSummary | None) -> tuple[int, int]:
+    return (0, 0) if x is None else (x.version, x.crc)
 
 
 def _checked_blocks(m: WriteReq | UpdateReq) -> list[int] | None:

@@ -97,12 +97,23 @@ class WriteResp(Msg, frozen=True, tag=True):
     version: int = 0
 
 
+class BlockDelta(msgspec.Struct, frozen=True, array_like=True):
+    """A resync copy that carries only the blocks that differ from the receiver's listed copy (``base_version``,
+    ``base_crc``): ``data`` holds them as the update's ``extents``; the rest of the version is the receiver's own."""
+
+    base_version: int
+    base_crc: int
+    length: int  # of the new version
+    chunk_crc: int  # of the new version: what the receiver's result must come to
+
+
 class UpdateReq(Msg, frozen=True, tag=True):
     """Member -> successor: make ``version`` the pending version of the chunk.
 
     ``full_replace`` carries the whole chunk (to a syncing target, or to repair a successor that refused);
     ``resync`` marks a resync copy of a committed version. ``requests`` is the sender's per-client
     idempotency table for the chunk, sent with full replaces so a repaired replica can later dedupe as head.
+    ``delta``: a resync copy (``full_replace`` and ``resync``) of only the blocks that differ (:class:`BlockDelta`).
     """
 
     chunk_id: ChunkId
@@ -117,11 +128,12 @@ class UpdateReq(Msg, frozen=True, tag=True):
     requests: dict[int, int] | None = None
     data: bytes | None = None
     extents: list[tuple[int, int]] | None = None  # as in WriteReq
+    delta: BlockDelta | None = None
 
 
 class AckStatus(enum.Enum):
     OK = "ok"
-    VERSION_GAP = "version_gap"  # not the next version: the predecessor should send a full-chunk replace
+    VERSION_GAP = "version_gap"  # not the next version (or a delta that does not fit): send the whole chunk
     BUSY = "busy"  # another pending version is still being persisted: retransmit later
     CHECKSUM = "checksum"  # data did not match its CRC32C: retransmit
     STALE = "stale"  # chain version differs: wait for the new chain config, then re-drive
@@ -177,9 +189,16 @@ class VersionReply(Msg, frozen=True, tag=True):
 
 
 class ChunkSummary(msgspec.Struct, frozen=True, array_like=True):
+    """One chunk of a :class:`ResyncState`. ``blocks`` (the version's 64 KiB block CRC32Cs as little-endian
+    uint32s) and ``length``, added by the driver from its engine, let the predecessor send only the blocks that
+    differ; empty: it sends the chunk whole. On the wire ``blocks`` travel in the frame's data section, all the
+    list's one after another (``length`` says how many are each chunk's), not in the body."""
+
     chunk_id: ChunkId
     version: int
     crc: int
+    length: int = 0
+    blocks: bytes = b""
 
 
 class ResyncQuery(Msg, frozen=True, tag=True):

@@ -7,6 +7,7 @@ hands the block CRCs on to the engine, which stores them with the version instea
 
 from __future__ import annotations
 
+import sys
 from array import array
 
 from crc32c import crc32c
@@ -74,3 +75,45 @@ def fold_crc(blocks: array | list[int], length: int) -> int:
             shifted = crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
         total = shifted ^ blocks[i]
     return total
+
+
+def changed_blocks(ours: array | list[int], our_len: int, theirs: array | list[int], their_len: int,
+                   block: int = BLOCK) -> list[int]:
+    """Blocks of our version of ``our_len`` bytes that another copy (``theirs``, of ``their_len`` bytes) lacks: a
+    block is the same only at the same index, with the same CRC and the same length (a short last block that grew
+    is new). Only a comparison of CRCs: that their bytes are what their CRCs say is for their side to check.
+    ``block``: the bytes a CRC covers (the simulator's chunks are smaller than one BLOCK)."""
+    def size(length: int, b: int) -> int:
+        return min(block, length - b * block)
+
+    return [b for b, crc in enumerate(ours)
+            if b >= len(theirs) or theirs[b] != crc or size(our_len, b) != size(their_len, b)]
+
+
+def block_runs(blocks: list[int], length: int, block: int = BLOCK) -> list[tuple[int, int]]:
+    """``(offset, length)`` runs of bytes that the sorted ``blocks`` of a ``length``-byte version cover, adjacent
+    blocks merged: the ``extents`` of a write that carries just those blocks."""
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        lo, hi = b * block, min(b * block + block, length)
+        if runs and runs[-1][0] + runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi - runs[-1][0])
+        else:
+            runs.append((lo, hi - lo))
+    return runs
+
+
+def pack_crcs(crcs: array | list[int]) -> bytes:
+    """Block CRCs as little-endian uint32s, for the wire."""
+    packed = array("I", crcs)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_crcs(blob: bytes) -> array:
+    """The inverse of :func:`pack_crcs`."""
+    crcs = array("I", blob)
+    if sys.byteorder == "big":
+        crcs.byteswap()
+    return crcs

@@ -6,8 +6,9 @@ checker then also plays a power loss, tearing the data of versions staged since 
 reopened engine must fall back to complete versions no older than the last sync. With held writes (write-back
 with ``hold_bytes``) the kill alone loses the whole versions held in memory, with the same fallback.
 
-Versions come from whole-chunk replaces, single writes, truncations and writes of several runs (a client's
-gathered scattered writes, most of them parts of blocks). Chunks grow to 16 blocks, so most partial writes make
+Versions come from whole-chunk replaces, single writes, truncations, writes of several runs (a client's
+gathered scattered writes, most of them parts of blocks) and resync deltas (a single write's change sent as the
+whole blocks that differ from the committed version, ``write_delta``). Chunks grow to 16 blocks, so most partial writes make
 versions with overrides (block slots shared with the version before) and every few a compaction writes a fresh
 base; after every reopen each slot must be named by a row or free, never both, never leaked.
 
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId  # noqa: E402
+from kvfs.crc import block_crcs, block_runs, changed_blocks  # noqa: E402
 from harness import assert_slots_accounted, tear_unsynced  # noqa: E402
 
 CHUNKS = [ChunkId(3, i) for i in range(4)]
@@ -41,8 +43,8 @@ CS = 1 << 20
 def op(k: int, v: int) -> tuple[str, int, int]:
     """The write that makes version ``v`` of chunk ``k``: the same in the child and the checker."""
     rng = random.Random(f"{k}:{v}")
-    kind = rng.choice(["full", "write", "write", "write", "runs", "runs", "trunc"])
-    if kind == "write":
+    kind = rng.choice(["full", "write", "write", "write", "runs", "runs", "trunc", "delta"])
+    if kind in ("write", "delta"):
         return kind, rng.randrange(0, 14 * BLOCK), rng.randrange(1, 2 * BLOCK)
     return kind, 0, rng.randrange(0, 16 * BLOCK)
 
@@ -102,6 +104,13 @@ def child(root: Path, mode: str) -> None:
             kind, off, n = op(k, v)
             if kind == "trunc":
                 e.truncate(cid, n, v)
+            elif kind == "delta":
+                old = bytes(e.read(cid, 0, CS)[0]) if m and m.version else b""
+                new = apply(k, v, old)
+                extents = block_runs(changed_blocks(block_crcs(new), len(new), block_crcs(old), len(old)), len(new))
+                data = b"".join(new[start : start + length] for start, length in extents)
+                e.write_delta(cid, v, v - 1, len(new), crc32c(new), data, crc32c(data), extents)
+                e.commit(cid, v, durable=v % 2 == 0)
             else:
                 extents = runs(k, v) if kind == "runs" else None
                 if extents:

@@ -15,7 +15,7 @@ from kvfs.craq.member import (
     Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    AckStatus, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncPull, ResyncQuery, ResyncState,
+    AckStatus, BlockDelta, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncPull, ResyncQuery, ResyncState,
     TargetState,
     UpdateAck, UpdateReq, VersionQuery, VersionReply, WireMessage, WriteReq, ChunkSummary,
 )
@@ -282,13 +282,26 @@ def test_resync_copies_differing_chunks_then_reports_done():
     assert isinstance(chain.members[2].read_decision(CID, 3), Retry)  # syncing targets do not serve reads
 
 
-def test_writes_during_sync_reach_the_syncing_target_as_full_chunks():
-    chain = Chain(config(1, (1, S), (2, Y)))
+def test_writes_during_sync_reach_the_syncing_target_as_sent_once_it_holds_the_chunk_from_the_live_chain():
+    """Rule 3a: a chunk the syncing target held from before it left takes the first write whole (its version may
+    be of another lineage under the same number); once the live chain wrote it there, writes go as sent."""
+    chain = Chain(config(1, (1, S), (2, S)))
     chain.run(1, chain.members[1].handle(write(b"a")))
-    sends = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
-    assert sends and sends[0].full_replace and sends[0].data == b"a"
     chain.deliver_all()
-    assert chain.replies[-1].errno == 0 and chain.mgmtd == [ResyncDone(1, 1, 2)]
+    chain.reconfigure(config(2, (1, S), (2, Y)))
+    chain.outbox.clear()  # the resync: chunk 7 is in step, nothing to copy
+    chain.run(1, chain.members[1].handle(WriteReq(1, 2, CID, 9, 2, 0, crc32c(b"b"), b"b")))
+    (first,) = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    assert not first.full_replace and first.data == b"b"
+    chain.deliver_all()
+    refusals = [m for _, m in chain.sent if isinstance(m, UpdateAck) and m.status is AckStatus.VERSION_GAP]
+    wholes = [m for _, m in chain.sent if isinstance(m, UpdateReq) and m.full_replace]
+    assert len(refusals) == 1 and len(wholes) == 1 and chain.replies[-1].errno == 0
+    chain.sent.clear()
+    chain.run(1, chain.members[1].handle(WriteReq(1, 2, CID, 9, 3, 0, crc32c(b"c"), b"c")))
+    chain.deliver_all()
+    assert [m.full_replace for _, m in chain.sent if isinstance(m, UpdateReq)] == [False]
+    assert chain.replies[-1].errno == 0 and chain.engines[2].committed[CID].data == b"c"
 
 
 def test_becoming_syncing_drops_pending_writes_of_the_old_lineage():
@@ -509,7 +522,7 @@ def test_a_pending_replica_refuses_what_does_not_supersede_its_pending_version()
 def test_forwards_to_a_syncing_target_name_the_writer_and_resync_copies_name_nobody():
     chain = Chain(config(1, (1, S), (2, Y)))
     chain.run(1, chain.members[1].handle(write(b"a", request_id=4)))
-    (live,) = [m for _, m in chain.outbox if isinstance(m, UpdateReq)]
+    live = chain.members[1]._full_update(chain.members[1]._chunks[CID], 1, crc32c(b"a"), resync=False)  # rule 3a
     assert live.full_replace and (live.client_id, live.request_id, live.requests) == (9, 4, {9: 4})
     chain.deliver_all()
     copy = chain.members[1]._full_update(chain.members[1]._chunks[CID], 1, crc32c(b"a"), resync=True)
@@ -667,6 +680,53 @@ def test_resync_is_resent_only_when_due_and_a_duplicate_answer_is_ignored():
     assert pred.handle(Tick(5.115)) == []  # the copy went at 5.07, when the answer came
     (again,) = pred.handle(Tick(5.13))  # the copy was lost: sent again
     assert isinstance(again, SendChunk) and again.msg.version == 1
+
+
+def test_a_resync_copy_names_the_successors_listed_copy_and_goes_whole_once_it_refuses_the_delta():
+    """The driver may send only the blocks that differ from the copy the successor listed; a refusal (VERSION_GAP:
+    its copy moved on, or a block it would keep is corrupt) makes the next copy of that chunk whole."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.deliver_all()
+    pred = chain.members[1]
+    pred.handle(Configure(config(2, (1, S), (2, Y)), 100.0))
+    listed = ChunkSummary(CID, 0, 7, 3, b"\x07\0\0\0")
+    (copy,) = pred.handle(ResyncState(1, 2, 2, (listed,)))
+    assert isinstance(copy, SendChunk) and copy.theirs == listed and copy.msg.resync
+    refused = UpdateAck(1, 2, CID, 2, 1, AckStatus.VERSION_GAP, 0, 7, 3, resync=True)
+    (whole,) = pred.handle(refused)
+    assert isinstance(whole, SendChunk) and whole.theirs is None and whole.msg.version == 1
+    assert pred.handle(refused) == []  # refused again: the tick resends it, whole
+    (done,) = pred.handle(UpdateAck(1, 2, CID, 2, 1, AckStatus.OK, 1, crc32c(b"a"), 1, resync=True))
+    assert done == ReportToMgmtd(ResyncDone(1, 2, 2))
+
+
+def _delta(version: int, data: bytes, base: tuple[int, int], new: bytes) -> UpdateReq:
+    """A resync copy of ``new`` as the blocks ``data`` at offset 0, made against the receiver's ``base``."""
+    return msgspec.structs.replace(_full(version, data), extents=[(0, len(data))],
+                                   delta=BlockDelta(*base, len(new), crc32c(new)))
+
+
+def test_a_delta_is_stored_only_on_the_copy_it_was_made_against():
+    member = _syncing_member_with(b"old", 3)
+    (ack,) = member.handle(_delta(5, b"new", (3, crc32c(b"other")), b"new"))
+    assert ack.msg.status is AckStatus.VERSION_GAP and ack.msg.resync
+    (persist,) = member.handle(_delta(5, b"new", (3, crc32c(b"old")), b"new"))
+    assert isinstance(persist, PersistPending) and persist.delta == BlockDelta(3, crc32c(b"old"), 3, crc32c(b"new"))
+    assert persist.extents == [(0, 3)] and not persist.force
+    (commit, ack) = member.handle(Persisted(CID, 5, crc32c(b"new"), 3))
+    assert commit == Commit(CID, 5) and ack.msg.status is AckStatus.OK and member.chunk_versions(CID) == (5, None)
+
+
+def test_a_delta_the_engine_cannot_apply_asks_for_the_whole_chunk():
+    """The engine refuses a delta whose kept blocks fail their CRC on the disk: the member drops it and answers
+    VERSION_GAP, not FAILED, so the predecessor sends the chunk whole instead of giving up on the version."""
+    member = _syncing_member_with(b"old", 3)
+    member.handle(_delta(5, b"new", (3, crc32c(b"old")), b"new"))
+    (ack,) = member.handle(PersistFailed(CID, 5, errno.EIO, "block 2 is corrupt"))
+    assert ack.msg.status is AckStatus.VERSION_GAP and member.chunk_versions(CID) == (3, None)
+    (persist,) = member.handle(_full(5, b"new"))
+    assert persist.delta is None and persist.full_replace
 
 
 def test_a_dirty_chunk_counts_as_differing_in_a_resync():

@@ -84,7 +84,8 @@ def test_the_new_faults_happen_and_returning_replicas_are_behind():
     """Rollbacks, resets, slow and stalled disks and lost nodes do happen, and resync finds replicas behind."""
     seen = sum((sim.run(seed, sim.PROFILES["default"]).faults for seed in range(30)), collections.Counter())
     for what in ("rollbacks", "versions rolled back", "connection resets", "disk stalls", "slow persists",
-                 "nodes lost", "resync: replica behind", "resync copies"):
+                 "nodes lost", "resync: replica behind", "resync copies", "resync copies as changed slots",
+                 "resync copies refused (sent whole next)"):
         assert seen[what] > 0, f"no {what} in 30 seeds: {seen}"
 
 

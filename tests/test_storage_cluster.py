@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -17,7 +19,7 @@ from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.client import StorageClient
 from kvfs.craq.messages import ChunkId, TargetState
 from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
-from kvfs.errors import StaleRouting
+from kvfs.errors import KvfsError, StaleRouting
 from kvfs.rpc import RpcClient
 from kvfs import wire
 from kvfs.wire import Empty, Limits
@@ -173,6 +175,51 @@ async def test_kill_chunkserver_during_writes_then_resync(cluster, processes, tm
     assert first and all(other == first for other in others)
 
 
+async def test_a_resync_after_a_few_small_writes_sends_only_their_blocks(cluster, processes, tmp_path):
+    """A replica down while 4 KiB writes change a few blocks of large chunks comes back holding the old versions:
+    its predecessor sends only the 64 KiB blocks that differ (the resync's log line counts the bytes), and every
+    replica then serves the new bytes."""
+    layout = Layout(chunk_size=4 << 20, stripe=1, seed=7)
+    model = bytearray(os.urandom(12 << 20))  # three chunks
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        await storage.write(55, layout, 0, model)
+        await storage.flush(55)
+        cluster.kill_chunkserver(2)
+        await _wait_for_state(mgmtd, 200, TargetState.OFFLINE)
+        rng = random.Random(3)
+        for _ in range(5):
+            at = rng.randrange(0, len(model) - 4096)
+            model[at : at + 4096] = data = os.urandom(4096)
+            await storage.write(55, layout, at, data)
+        cluster.start_chunkserver(2, cluster.chunkservers[2][0])
+        status = await wait_all_serving(mgmtd, 1, timeout=60)
+        done = [line for node in (1, 3) for line in processes.log(f"cs{node}").splitlines()
+                if "resync of target 200 done" in line]
+        assert done, "no resync logged"
+        sent, as_blocks, whole = map(int, re.search(r"(\d+) bytes sent, (\d+) chunks as changed blocks, (\d+) whole",
+                                                    done[-1]).groups())
+        assert whole == 0 and 1 <= as_blocks <= 3 and sent <= 10 * 64 * 1024  # at most 2 blocks per 4 KiB write
+        (chain,) = status.routing.chains
+        for target in chain.targets:  # every replica itself, the resynced one included
+            for index in range(3):
+                request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(55, index), 0,
+                                                   layout.chunk_size)])
+                with trio.fail_after(10):
+                    while True:  # until the replica's own heartbeat brought it the chain version we read under
+                        reply, got = await rpc.call_with_data(status.routing.addresses[target.node_id], p.READ,
+                                                              request)
+                        if reply.results[0].errno != errno.ESTALE:
+                            break
+                        await trio.sleep(0.1)
+                assert reply.results[0].errno == 0
+                assert bytes(got) == model[index * layout.chunk_size : (index + 1) * layout.chunk_size]
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert all(other == first for other in others)
+
+
 async def test_runs_of_a_chunk_are_one_version_on_every_replica(cluster, processes, tmp_path):
     """write_runs: a mount's gathered scattered writes go down the chain as one update, so the chunk's version
     moves by one; the bytes between the runs stay, and every replica holds the same chunk."""
@@ -220,6 +267,28 @@ async def test_corrupt_replica_is_served_from_a_peer_and_repaired(cluster, proce
     processes.stop_all()
     first, *others = replica_contents(tmp_path, (1, 2, 3))
     assert all(other == first for other in others)  # the corrupt copy was repaired
+
+
+async def test_a_replica_with_one_bad_block_fetches_only_that_block(cluster, processes, tmp_path):
+    data = os.urandom(LAYOUT.chunk_size)  # one chunk of 16 blocks, in the first slot of its class's file
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        await storage.write(8, LAYOUT, 0, data)
+        with open(tmp_path / "cs2" / "data" / "20.dat", "r+b") as f:  # 1 MiB slots: flip a byte of block 3
+            f.seek(3 * 65536 + 5)
+            f.write(bytes([data[3 * 65536 + 5] ^ 0xFF]))
+        routing = await storage.routing()
+        (chain,) = routing.chains
+        request = p.ReadBatch([p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(8, 0), 0, len(data))])
+        reply, got = await rpc.call_with_data(routing.addresses[2], p.READ, request)
+        assert reply.results[0].errno == 0 and bytes(got) == data
+        assert "chunk ChunkId(inode=8, index=0): blocks [3] repaired from target" in processes.log("cs2")
+        with pytest.raises(KvfsError) as refused:  # a block past the chunk's end is refused, nothing sent
+            await rpc.call_with_data(routing.addresses[1], p.FETCH, p.FetchChunk(100, ChunkId(8, 0), [16], 1))
+        assert refused.value.errno == errno.EINVAL
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert first[ChunkId(8, 0)] == data and all(other == first for other in others)
 
 
 async def test_removing_a_file_frees_its_chunks_on_every_replica(cluster):
