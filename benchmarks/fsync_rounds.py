@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import trio
+from rpc_bench import process_cpu_split
 
 from kvfs.chunkserver.client import StorageClient
 from kvfs.chunkserver.protocol import CHUNK_LIMITS
@@ -36,13 +37,9 @@ FILE_CHUNKS = 16
 
 
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:
-    """User and system CPU seconds of ``pids`` so far."""
-    tick = os.sysconf("SC_CLK_TCK")
-    user = system = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        user, system = user + int(fields[11]) / tick, system + int(fields[12]) / tick
-    return user, system
+    """User and system CPU seconds of ``pids`` so far, summed."""
+    user, system = zip(*map(process_cpu_split, pids))
+    return sum(user), sum(system)
 
 
 async def measure(config, pids: list[int], counts: list[int], seconds: float) -> list[tuple]:

@@ -215,10 +215,16 @@ async def rpc_figures(address: str, echo_port: int, seconds: float) -> tuple[dic
     return out, bare
 
 
+def process_cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of process ``pid`` so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def process_cpu(pid: int) -> float:
     """User plus system CPU seconds of process ``pid`` so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu_split(pid))
 
 
 async def cpu_per_call(address: str, seconds: float, server_pid: int) -> None:

@@ -828,10 +828,9 @@ class KvfsOperations(pyfuse3.Operations):
             self.local.drop(st.ino)
 
     def _changed(self, st: InodeState, offset: int = 0, length: int | None = None) -> None:
-        """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None)."""
-        st.changes += 1
-        if self.local is not None:
-            self.local.drop(st.ino)
+        """This mount changes the file's bytes in ``[offset, offset + length)`` (all of them if None): what
+        :meth:`_wrote` drops, and the read cache's blocks of the range."""
+        self._wrote(st)
         if self.cache is not None:
             if length is None:
                 self.cache.drop(st.ino)
