@@ -20,7 +20,6 @@ configured limits as soon as a header arrives, before anything is allocated for 
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
@@ -109,28 +108,21 @@ class Empty(msgspec.Struct, array_like=True):
 
 
 class _Keyed:
-    """HMAC-SHA256 under one key (RFC 2104), with the key's inner and outer pads hashed once: ``hmac.digest`` hashes
-    both again for every frame, half of what a small frame's tag cost."""
+    """HMAC-SHA256 under one key with the key's pads hashed once: each tag copies the keyed state, where
+    ``hmac.digest`` hashes both pads again for every frame, half of what a small frame's tag cost."""
 
-    __slots__ = ("_inner", "_outer")
+    __slots__ = ("_keyed",)
 
     def __init__(self, key: bytes) -> None:
-        block = hashlib.sha256().block_size
-        if len(key) > block:
-            key = hashlib.sha256(key).digest()
-        key = key.ljust(block, b"\0")
-        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
-        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+        self._keyed = hmac.new(key, digestmod="sha256")
 
     def tag(self, sequence: int, *parts: bytes | memoryview) -> bytes:
         """The truncated MAC of the sequence number followed by ``parts``."""
-        inner = self._inner.copy()
-        inner.update(_SEQUENCE.pack(sequence))
+        mac = self._keyed.copy()
+        mac.update(_SEQUENCE.pack(sequence))
         for part in parts:
-            inner.update(part)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        return outer.digest()[:TAG_SIZE]
+            mac.update(part)
+        return mac.digest()[:TAG_SIZE]
 
 
 class Signer:
