@@ -48,6 +48,7 @@ from kvfs.craq.member import (
     Tick,
 )
 from kvfs.craq.messages import (
+    AckStatus,
     BlockDelta,
     ChecksumReport,
     ChunkId,
@@ -55,6 +56,7 @@ from kvfs.craq.messages import (
     Msg,
     ResyncDone,
     ResyncState,
+    UpdateAck,
     UpdateReq,
     VersionQuery,
     WriteReq,
@@ -84,6 +86,7 @@ FLUSH_SECONDS = prometheus_client.Histogram(
     "kvfs_chunk_sync_seconds", "Time to make a target's acknowledged writes durable", ["reason"]
 )
 _requests_codec = (msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(dict[int, int]))
+_EARLY_HEARTBEAT_GAP = 0.02  # at least this long between heartbeats, however often messages ask for one early
 _IDLE_TICK = 0.25  # seconds between ticks while no member has anything to time (see ChunkServer._tick_loop)
 #: Seconds a located version stays pinned for its short-circuit reader, which must have read it by then
 #: (chunkserver/README.md, "Short-circuit reads"); a slot it holds is reused only after that.
@@ -227,6 +230,8 @@ class ChunkServer:
         self._readers = Workers("chunk-read")
         self._flushers = Workers("chunk-flush")  # flushes, which take long and must not hold up writes
         self.registered = trio.Event()
+        #: set when a message shows this server's routing may be behind mgmtd's: the heartbeat loop goes at once
+        self._routing_behind = trio.Event()
         #: syncing target -> [bytes, chunks sent as changed blocks, chunks sent whole] of its resync, logged when done
         self._resync_sent: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
         #: targets that may have lost acknowledged unflushed writes before this incarnation (engine.unclean_stop)
@@ -293,7 +298,12 @@ class ChunkServer:
         self.registered.set()
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeat every ``heartbeat_interval``, and early when :meth:`_routing_may_be_behind` says so. A chain
+        change reaches each server with its own next heartbeat; until then its members refuse the messages of
+        neighbours that have it, and an update refused so waits for a retransmit, so a write issued as a target
+        rejoins would otherwise stall for up to a heartbeat interval."""
         while True:
+            self._routing_behind = trio.Event()
             try:
                 hb = Heartbeat(self.node_id, self.incarnation, self.address, self.clock(), self.resync_progress(),
                                self.unclean_targets)
@@ -301,7 +311,15 @@ class ChunkServer:
                 self._apply_routing(reply.routing, reply.lease_until)
             except KvfsError as exc:
                 log.warning("heartbeat failed: %s", exc.message)
-            await trio.sleep(self.heartbeat_interval)
+            await trio.sleep(min(_EARLY_HEARTBEAT_GAP, self.heartbeat_interval))
+            with trio.move_on_after(max(0.0, self.heartbeat_interval - _EARLY_HEARTBEAT_GAP)):
+                await self._routing_behind.wait()
+
+    def _routing_may_be_behind(self, member: ChainMember, msg: Any) -> None:
+        """A message of a newer chain version than ``member``'s, or a refusal of ours as stale, means mgmtd may
+        have moved the chain on: ask now rather than at the next heartbeat."""
+        if msg.chain_version > member.chain_version or (isinstance(msg, UpdateAck) and msg.status is AckStatus.STALE):
+            self._routing_behind.set()
 
     def resync_progress(self) -> dict[int, tuple[int, int]]:
         """Resyncs this server drives: syncing target -> (chunks left, chunks in all); also a Prometheus gauge."""
@@ -496,6 +514,7 @@ class ChunkServer:
         waiter.count += 1
         try:
             self._clock(member)
+            self._routing_may_be_behind(member, req)
             try:
                 effects = member.handle(msgspec.structs.replace(req, data=data if data is not None else b""))
             except ProtocolError as exc:  # e.g. not the head any more: the client's routing is behind
@@ -521,7 +540,9 @@ class ChunkServer:
         target = self._chain_targets.get(msg.chain_id)
         if target is None:
             raise StaleRouting(f"no target of chain {msg.chain_id} here")
-        self._clock(self.members[target])
+        member = self.members[target]
+        self._clock(member)
+        self._routing_may_be_behind(member, msg)
         self._feed(target, msg)
         return Empty()
 

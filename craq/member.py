@@ -289,7 +289,7 @@ class _Pending:
     persisted: bool = False
     chunk_crc: int = 0
     chunk_len: int = 0
-    sent_at: float = 0.0
+    resend_at: float = 0.0  # when a Tick forwards it again if no ack has come
     maybe_visible: bool = False  # held when this member became read tail: must commit before serving
     orphan: bool = False  # from before this member started syncing: another lineage, never committed
     pulled: bool = False  # a recovering member's copy of a newer committed version (rule 9): commit, don't forward
@@ -359,12 +359,18 @@ class ChainMember:
         retransmit_after: float = 0.05,
         *,
         retransmit_scan_every: float = 0.0,
+        resend_refused_after: float = 0.02,
     ) -> None:
-        """``retransmit_scan_every``: look for unacknowledged updates at most this often (0: every tick); the
-        simulator raises it to delay retransmissions, which must only ever cost time."""
+        """``retransmit_after``: how long a forwarded update waits for its ack before it is sent again;
+        ``resend_refused_after``: how long after a refusal that only asks to come back later (``BUSY``: the
+        successor is persisting another version of the chunk, a resync copy say; ``STALE``: the two views of the
+        chain differ for a moment; ``CHECKSUM``: damaged in transit), since those clear in milliseconds and a
+        client's write waits on them. ``retransmit_scan_every``: look for unacknowledged updates at most this often
+        (0: every tick); the simulator raises it to delay retransmissions, which must only ever cost time."""
         self.target_id = target_id
         self.chain_id = chain_id
         self.retransmit_after = retransmit_after
+        self.resend_refused_after = resend_refused_after
         self.retransmit_scan_every = retransmit_scan_every
         self._last_scan = 0.0
         self.config: ChainConfig | None = None
@@ -633,7 +639,7 @@ class ChainMember:
         unless the live chain wrote its copy of the chunk since it started syncing (rule 3a)."""
         succ = self._successor()
         p = c.pending
-        p.sent_at = self.now
+        p.resend_at = self.now + self.retransmit_after
         if p.update.data is None or (p.update.full_replace and self.config.state_of(succ) is TargetState.SYNCING):
             return [SendChunk(succ, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         return [Send(succ, msgspec.structs.replace(p.update, chain_version=self.chain_version, from_target=self.target_id))]
@@ -683,8 +689,9 @@ class ChainMember:
             return effects + [SendChunk(a.from_target, self._full_update(c, p.update.version, p.chunk_crc, resync=False))]
         if a.status is AckStatus.FAILED:
             return effects + [Abort(c.cid, p.update.version)] + self._abandon(c, KvfsError(a.message, a.errno))
-        if a.status is not AckStatus.OK:
-            return effects  # BUSY / CHECKSUM / STALE: the tick retransmits
+        if a.status is not AckStatus.OK:  # BUSY / CHECKSUM / STALE: the tick retransmits, soon
+            p.resend_at = min(p.resend_at, self.now + self.resend_refused_after)
+            return effects
         if (a.chunk_crc, a.chunk_len) != (p.chunk_crc, p.chunk_len):
             effects.append(ReportToMgmtd(ChecksumReport(
                 self.chain_id, self.chain_version, a.chunk_id, self.target_id, a.from_target, a.version)))
@@ -883,7 +890,7 @@ class ChainMember:
         if self._successor() is not None and not self._fenced() and now - self._last_scan >= self.retransmit_scan_every:
             self._last_scan = now
             for c in sorted(self._dirty.values(), key=lambda c: c.seq):  # O(in flight), deterministic order
-                if c.pending.persisted and c.pending.sent_at <= due:
+                if c.pending.persisted and c.pending.resend_at <= now:
                     effects += self._forward(c)
         job = self._resync
         if job is not None and job.sent_at <= due:

@@ -652,6 +652,25 @@ def test_retransmissions_wait_for_their_interval():
     assert len(head.handle(Tick(5.06))) == 1
 
 
+@pytest.mark.parametrize("status", [AckStatus.BUSY, AckStatus.STALE, AckStatus.CHECKSUM])
+def test_an_update_refused_for_now_is_sent_again_soon_not_after_the_retransmit_wait(status):
+    """A syncing successor answers BUSY while it stores a resync copy of the chunk, which takes milliseconds; a
+    client's write waited the whole retransmit interval (a second in the chunk server) behind it."""
+    head = ChainMember(1, 1, retransmit_after=1.0, resend_refused_after=0.02)
+    head.handle(Configure(config(1, (1, S), (2, S)), 100.0))
+    head.handle(Tick(5.0))
+    head.handle(write(b"a"))
+    (forward,) = head.handle(Persisted(CID, 1, crc32c(b"a"), 1))
+    assert head.handle(Tick(5.01)) == []
+    refusal = UpdateAck(1, 1, CID, 2, 1, status, 0, 0, 0)
+    assert head.handle(refusal) == []
+    assert head.handle(Tick(5.02)) == []  # refused at 5.01: due at 5.03
+    (again,) = head.handle(Tick(5.03))
+    assert isinstance(again, Send) and again.msg == forward.msg
+    assert head.handle(Tick(5.5)) == []  # the resend waits its full interval again
+    assert len(head.handle(Tick(6.03))) == 1
+
+
 def test_a_coarse_retransmit_scan_looks_only_that_often():
     head = ChainMember(1, 1, retransmit_scan_every=1.0)
     head.handle(Configure(config(1, (1, S), (2, S)), 100.0))
