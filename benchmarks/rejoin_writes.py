@@ -43,18 +43,17 @@ async def _round(storage, mgmtd, cluster: LocalCluster, mnt: Path, size: int, rn
     marks: dict[str, float] = {}
     restarter = threading.Thread(target=_restart, args=(cluster, mnt, marks))
 
-    async def watch() -> None:
+    async def restart_then_watch() -> None:
+        await trio.sleep(0.5)  # writes before the restart too
+        restarter.start()
         while "restart" not in marks:
             await trio.sleep(0.01)
         await _wait_for(mgmtd, _all_serving)
         marks["serving"] = time.monotonic()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch)
-        start = time.monotonic()
+        nursery.start_soon(restart_then_watch)
         while "serving" not in marks or time.monotonic() < marks["serving"] + AFTER_SERVING:
-            if not restarter.is_alive() and "restart" not in marks and time.monotonic() > start + 0.5:
-                restarter.start()
             began = time.monotonic()
             await storage.write(INODE, LAYOUT, rng.randrange(0, size - 4096), memoryview(rng.randbytes(4096)))
             latencies.append(time.monotonic() - began)
