@@ -60,6 +60,12 @@ class BufferPool:
                     return buf
             return bytearray(n)
 
+    def view(self, n: int) -> memoryview:
+        """``n`` bytes at the start of a pooled buffer of the next pooled size up, garbage as from :meth:`take`:
+        sizes that are not a power of two (a 128 KiB block, a short last piece) are reused too, not allocated
+        and faulted in afresh per message."""
+        return memoryview(self.take(max(self.min_size, 1 << (n - 1).bit_length()) if n else 0))[:n]
+
     def trim(self, idle: float) -> int:
         """Give the pages of unused mapped buffers (shared memory, :func:`page_aligned`) back to the system once
         nothing was taken for ``idle`` seconds (they stay pooled and are refilled with zero pages on next use);

@@ -666,7 +666,7 @@ class Connection:
             if header.data_len:
                 target = pending.into
                 if target is None or len(target) < header.data_len:
-                    target = memoryview(RECEIVED.take(header.data_len))
+                    target = RECEIVED.view(header.data_len)
                 else:
                     target = target[: header.data_len]
                 await reader.read_into(target)
@@ -1298,7 +1298,7 @@ class RpcServer(TransportChoice):
             elif shared:
                 if conn.shm is None:
                     raise ProtocolError("shared-memory data section from a client whose arena is not mapped")
-                data = memoryview(shm.SHARED.take(shared))  # in our own arena: a handler may lend it on
+                data = shm.SHARED.view(shared)  # in our own arena: a handler may lend it on
                 conn.shm.copy_out(offset, data)
             args = (writer, peer, header.request_id, entry, request, data, failure, conn, buffers, oneway, reply_to)
             if buffers is None and (failure is not None or header.method in self._inline):

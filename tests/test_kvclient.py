@@ -282,3 +282,22 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     many = [f"m{i}" for i in range(MAX_BATCH + 1)]
     assert count(kv.batch_put, many, [b"v"] * len(many))[1] == ["meta.begin_puts"] * 2 + ["meta.commit_puts"] * 2
     assert count(kv.batch_remove, keys + ["nope"]) == ([0] * 40 + [-errno.ENOENT], ["meta.batch_unlink"])
+
+
+def test_puts_are_lent_from_shared_memory(kv, monkeypatch) -> None:
+    """Values are copied once into the client's shared-memory arena, so chunk servers on this host take them
+    without the loopback TCP stack (kvfs.transport.shm); small ones are not worth it and go as they are."""
+    import mmap
+
+    lent: list[object] = []
+    real_write = kv._core.storage.write
+
+    async def spying(ino, layout, offset, data):
+        lent.append(memoryview(data).obj)
+        return await real_write(ino, layout, offset, data)
+
+    monkeypatch.setattr(kv._core.storage, "write", spying)
+    values = [_payload(128 << 10, 1), _payload(300_001, 2), _payload(100, 3)]
+    assert kv.batch_put(["a", "b", "c"], values) == [0, 0, 0]
+    assert sorted(isinstance(obj, mmap.mmap) for obj in lent) == [False, True, True]
+    assert [kv.get(k) for k in "abc"] == values

@@ -36,6 +36,16 @@ def test_odd_and_small_sizes_and_a_full_pool_give_fresh_buffers():
     assert pool.held == 2 * MIB and len({id(b) for b in held}) == 3
 
 
+def test_views_of_any_size_reuse_pooled_buffers():
+    pool = BufferPool(capacity=4 * MIB, min_size=256 << 10)
+    view = pool.view(100_000)  # smaller than the smallest pooled size, and no power of two
+    assert len(view) == 100_000 and len(view.obj) == 256 << 10 and pool.held == 256 << 10
+    first = id(view.obj)
+    del view
+    assert id(pool.view(200_000).obj) == first  # the same pooled buffer again, once nothing refers to it
+    assert len(pool.view(0)) == 0
+
+
 def test_threads_never_share_a_buffer():
     pool = BufferPool(capacity=64 * MIB)
     errors: list[str] = []
