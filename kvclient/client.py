@@ -33,7 +33,7 @@ from kvfs.meta.types import Caller, Commit, Found, Layout
 from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
 from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
-from kvfs.kvclient.local import ChunkReader, ObjectRead, ShortObject
+from kvfs.kvclient.local import ChunkReader, ObjectRead
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
 from kvfs.transport.direct import DirectRegion
