@@ -320,6 +320,10 @@ def mooncake_figures(argv: list[str]) -> Figures | str:
     return Figures(**json.loads(child.stdout.strip().splitlines()[-1]))
 
 
+#: What ``--systems`` may name.
+SYSTEMS = ("kvclient", "redis", "mooncake", "pump")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -334,8 +338,13 @@ def main() -> None:
     parser.add_argument("--block-mib", type=int, default=0, help="block mode: batch get/put of N MiB blocks")
     parser.add_argument("--blocks", type=int, default=256, help="block mode: how many blocks")
     parser.add_argument("--batch", type=int, default=16, help="block mode: blocks per batch call")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all)")
     parser.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    systems = set(args.systems.split(","))
+    if systems - set(SYSTEMS):
+        parser.error(f"unknown systems {', '.join(sorted(systems - set(SYSTEMS)))}; choose from {', '.join(SYSTEMS)}")
     if args.block_mib:
         payloads = Payloads(args.block_mib << 20)
         run: Callable[[Store], Figures] = lambda store: blocks(store, args.blocks, args.batch, payloads)
@@ -358,36 +367,44 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     pump = ctx.Process(target=plain_server, args=(queue,), daemon=True)
-    pump.start()
+    if "pump" in systems:
+        pump.start()
     rows: list[tuple[str, Figures]] = []
     notes: list[str] = []
+    ceiling = float("nan")
     try:
-        ceiling = plain_pump(queue.get(timeout=30), payloads.size, 1.5) / 1e9
+        if "pump" in systems:
+            ceiling = plain_pump(queue.get(timeout=30), payloads.size, 1.5) / 1e9
         with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
-            cluster = LocalCluster(Path(tmp) / "cluster")
-            try:
-                cluster.up(Path(tmp) / "mnt", mounted=False, echo=lambda *a: None)
-                with KVClient.from_config(cluster.client_config_path, "replay") as client:
-                    rows.append((KvStore.name, run(KvStore(client))))
-            finally:
-                cluster.down(echo=lambda *a: None)
-            with redis_server(Path(tmp)) as redis_port:
-                if isinstance(redis_port, str):
-                    notes.append(redis_port)
-                else:
-                    rows.append((RedisStore.name, run(RedisStore(redis_port))))
-        mooncake = mooncake_figures(sys.argv[1:])
-        if isinstance(mooncake, str):
-            notes.append(mooncake)
-        else:
-            rows.append((MooncakeStore.name, mooncake))
+            if "kvclient" in systems:
+                cluster = LocalCluster(Path(tmp) / "cluster")
+                try:
+                    cluster.up(Path(tmp) / "mnt", mounted=False, echo=lambda *a: None)
+                    with KVClient.from_config(cluster.client_config_path, "replay") as client:
+                        rows.append((KvStore.name, run(KvStore(client))))
+                finally:
+                    cluster.down(echo=lambda *a: None)
+            if "redis" in systems:
+                with redis_server(Path(tmp)) as redis_port:
+                    if isinstance(redis_port, str):
+                        notes.append(redis_port)
+                    else:
+                        rows.append((RedisStore.name, run(RedisStore(redis_port))))
+        if "mooncake" in systems:
+            mooncake = mooncake_figures(sys.argv[1:])
+            if isinstance(mooncake, str):
+                notes.append(mooncake)
+            else:
+                rows.append((MooncakeStore.name, mooncake))
     finally:
-        pump.terminate()
+        if pump.is_alive():
+            pump.terminate()
     print(what)
     print(Figures.HEADER)
     for name, fig in rows:
         print(fig.row(name, ceiling))
-    print(f"{'socket pump (ceiling)':<27} {'-':>9} {ceiling:9.3f} {ceiling:9.3f}")
+    if "pump" in systems:
+        print(f"{'socket pump (ceiling)':<27} {'-':>9} {ceiling:9.3f} {ceiling:9.3f}")
     for note in notes:
         print(note)
 

@@ -12,6 +12,7 @@ once. One write per chunk is in flight at a time from one client (the CRAQ head 
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import ipaddress
@@ -19,7 +20,7 @@ import itertools
 import logging
 import random
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -88,7 +89,7 @@ class StorageClient:
         self._unflushed: set[int] = set()  # chains this client's writes reached since its last flush
         self._flush_lock = trio.Lock()
         self._rng = random.Random()
-        self._not_local: set[str] = set()  # chunk servers that refused chunk.locate: on another host
+        self._not_local: set[str] = set()  # chunk servers that refused chunk.locate_many: on another host
 
     # ---------------------------------------------------------------------------------- routing
 
@@ -202,17 +203,25 @@ class StorageClient:
     # ------------------------------------------------------------------------------------- reads
 
     async def read(self, ino: int, layout: LayoutLike, offset: int, into: memoryview) -> int:
+        """Fill ``into`` with the file's bytes at ``offset``; chunks or their parts that hold no data (holes, or
+        past a chunk's end) read as zeros. Returns how many bytes came from stored data: fewer than ``len(into)``
+        tells a caller that knows the data must be there (kvclient's write-once objects) that it is not."""
         into = into.cast("B") if into.format != "B" else into
         pieces = split_range(offset, len(into), layout.chunk_size)
         if len(pieces) == 1:
             index, within, at = pieces[0]
-            await self._read_chunk(ino, layout, index, within, into)
-            return len(into)
-        async with one_error(), trio.open_nursery() as nursery:
-            for index, within, at in pieces:
+            return await self._read_chunk(ino, layout, index, within, into)
+        stored = [0] * len(pieces)
+
+        async def piece(n: int, index: int, within: int, at: int) -> None:
+            async with self._window:
                 piece = into[at : at + layout.chunk_size - within]
-                nursery.start_soon(self._bounded, self._read_chunk, ino, layout, index, within, piece)
-        return len(into)
+                stored[n] = await self._read_chunk(ino, layout, index, within, piece)
+
+        async with one_error(), trio.open_nursery() as nursery:
+            for n, (index, within, at) in enumerate(pieces):
+                nursery.start_soon(piece, n, index, within, at)
+        return sum(stored)
 
     async def read_direct(self, ino: int, layout: LayoutLike, offset: int, target: DirectInto) -> None:
         """Read ``len(target)`` bytes at ``offset``, within one chunk, into a caller's registered region (GPUDirect
@@ -226,8 +235,10 @@ class StorageClient:
         await self._read_chunk(ino, layout, index, within, target)
 
     async def _read_chunk(self, ino: int, layout: LayoutLike, index: int, within: int,
-                          into: memoryview | DirectInto) -> None:
-        async def attempt(n: int) -> None:
+                          into: memoryview | DirectInto) -> int:
+        """Returns the bytes the chunk held in the range (the rest of ``into`` is a hole)."""
+
+        async def attempt(n: int) -> int:
             chain = await self._chain(layout, ino, index)
             serving = [t.target_id for t in chain.targets if t.state is TargetState.SERVING]
             if not serving:
@@ -246,31 +257,52 @@ class StorageClient:
                 into.filled = result.length
             else:
                 into[result.length :] = bytes(len(into) - result.length)  # past the chunk's end: a hole
+            return result.length
 
-        await self._retrying(f"read of chunk {index} of inode {ino}", attempt)
+        return await self._retrying(f"read of chunk {index} of inode {ino}", attempt)
 
     async def locate(self, ino: int, layout: LayoutLike, index: int, within: int, length: int,
                      boot_id: str) -> p.ChunkLocation | None:
-        """Where a replica on this host keeps the version a read of this chunk range would get, pinned for a
-        short-circuit read (``chunk.locate``); None where no serving replica is here or the server refuses (the
-        caller then reads over the network). Servers that refused once as not local are not asked again."""
-        chain = await self._chain(layout, ino, index)
+        """:meth:`locate_many` of one chunk range."""
+        return (await self.locate_many([(ino, layout, index, within, length)], boot_id))[0]
+
+    async def locate_many(self, chunks: Sequence[tuple[int, LayoutLike, int, int, int]],
+                          boot_id: str) -> list[p.ChunkLocation | None]:
+        """Where replicas on this host keep the versions that reads of these ranges ``(ino, layout, index,
+        within, length)`` would get, pinned for short-circuit reads (``chunk.locate_many``). One call per server
+        asked, and as few servers as hold a serving replica of every chunk (loopback ones first), so a batch get
+        costs one round trip on a host with one chunk server. None for a chunk no server here locates: the
+        caller reads it over the network. Servers that refused once as not local are not asked again."""
         routing = await self.routing()
-        serving = [t for t in chain.targets if t.state is TargetState.SERVING]
-        addresses = [routing.addresses.get(t.node_id) for t in serving]
-        local = [a for a in addresses if a is not None and a not in self._not_local]
-        local.sort(key=lambda a: not _loopback(a))
-        request = p.LocateChunk(chain.chain_id, chain.chain_version, ChunkId(ino, index), within, length, boot_id)
-        for address in local:
+        ranges: list[p.ReadRange] = []
+        holders: list[set[str]] = []  # per chunk: the servers with a serving replica of it
+        for ino, layout, index, within, length in chunks:
+            chain = await self._chain(layout, ino, index)
+            ranges.append(p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(ino, index), within, length))
+            holders.append({a for t in chain.targets if t.state is TargetState.SERVING
+                            and (a := routing.addresses.get(t.node_id)) is not None})
+        located: list[p.ChunkLocation | None] = [None] * len(chunks)
+        left = set(range(len(chunks)))
+        while left:
+            counts = collections.Counter(a for i in left for a in holders[i] if a not in self._not_local)
+            if not counts:
+                break
+            address = max(sorted(counts), key=lambda a: (_loopback(a), counts[a]))
+            group = sorted(i for i in left if address in holders[i])
+            left.difference_update(group)
             try:
-                return await self.rpc.call(address, p.LOCATE, request, timeout=self._call_timeout)
+                reply = await self.rpc.call(address, p.LOCATE_MANY, p.LocateChunks([ranges[i] for i in group], boot_id),
+                                            timeout=self._call_timeout)
             except KvfsError as exc:
-                if exc.errno in (errno.EPERM, errno.ENOSYS):  # another host, or a server without chunk.locate
+                if exc.errno in (errno.EPERM, errno.ENOSYS):  # another host, or a server without chunk.locate_many
                     self._not_local.add(address)
-                    continue
-                log.debug("locate of chunk %d of inode %d at %s: %s", index, ino, address, exc.message)
-                return None
-        return None
+                    left.update(group)
+                else:
+                    log.debug("locate of %d chunks at %s: %s", len(group), address, exc.message)
+                continue
+            for i, loc in zip(group, reply.locations):
+                located[i] = loc
+        return located
 
     # ------------------------------------------------------------------------- whole-file operations
 

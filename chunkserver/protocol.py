@@ -118,16 +118,13 @@ class FlushTargets(msgspec.Struct, array_like=True):
     target_ids: list[int]
 
 
-class LocateChunk(msgspec.Struct, array_like=True):
-    """Client on this host -> chunk server: where does the readable version of this chunk range lie on your disk?
-    ``boot_id`` is the client's (``/proc/sys/kernel/random/boot_id``): only a client that shares the server's
-    kernel may read its files (chunkserver/README.md, "Short-circuit reads")."""
+class LocateChunks(msgspec.Struct, array_like=True):
+    """Client on this host -> chunk server: where do the readable versions of these chunk ranges lie on your disk?
+    One call for every chunk of a batch that this server holds. ``boot_id`` is the client's
+    (``/proc/sys/kernel/random/boot_id``): only a client that shares the server's kernel may read its files
+    (chunkserver/README.md, "Short-circuit reads")."""
 
-    chain_id: int
-    chain_version: int
-    chunk_id: ChunkId
-    offset: int
-    length: int
+    ranges: list[ReadRange]
     boot_id: str
 
 
@@ -144,6 +141,13 @@ class ChunkLocation(msgspec.Struct, array_like=True):
     first_block: int = 0
     block_crcs: list[int] = []
     deadline_ns: int = 0
+
+
+class Located(msgspec.Struct, array_like=True):
+    """One per range asked, in order: its location, or None where this server would not locate it now (a version
+    it may not serve, a stale chain version, a version in several places): read that chunk over the network."""
+
+    locations: list[ChunkLocation | None]
 
 
 class Space(msgspec.Struct, array_like=True):
@@ -163,4 +167,5 @@ SPACE = Method(307, "chunk.space", Empty, Space, idempotent=True)
 CHUNK_STAT = Method(308, "chunk.stat", ChunkStatQuery, ChunkStat, idempotent=True)
 REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempotent=True)
 FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)
-LOCATE = Method(311, "chunk.locate", LocateChunk, ChunkLocation, idempotent=True)
+# 311 was chunk.locate (one chunk a call), retired for 312: never reuse it
+LOCATE_MANY = Method(312, "chunk.locate_many", LocateChunks, Located, idempotent=True)

@@ -26,7 +26,7 @@ import trio
 from crc32c import crc32c
 
 from kvfs.chunkserver import protocol as p
-from kvfs.chunkserver.engine import ChunkEngine
+from kvfs.chunkserver.engine import ChunkEngine, Location
 from kvfs.craq.cluster import Heartbeat, RoutingSnapshot
 from kvfs.craq.member import (
     Abort,
@@ -248,7 +248,7 @@ class ChunkServer:
             (p.SPACE, self._on_space),
             (p.CHUNK_STAT, self._on_chunk_stat),
             (p.FLUSH, self._on_flush),
-            (p.LOCATE, self._on_locate),
+            (p.LOCATE_MANY, self._on_locate_many),
         ):
             server.register(method, handler)
         # In the connection's reader task, not a task each (two per write and replica): they never wait, they
@@ -600,37 +600,65 @@ class ChunkServer:
         assert isinstance(decision, ServeVersion)
         return member, decision.version
 
-    async def _on_locate(self, req: p.LocateChunk, data: Any, ctx: CallContext) -> p.ChunkLocation:
-        """Short-circuit reads: tell a client on this host where the version a read would serve lies, and keep
-        it there (pinned) for ``LOCATE_LEASE`` seconds while the client reads the file itself. The version is
-        chosen exactly as for a read; a client elsewhere gets EPERM and reads over the network."""
+    async def _on_locate_many(self, req: p.LocateChunks, data: Any, ctx: CallContext) -> p.Located:
+        """Short-circuit reads: tell a client on this host where the versions a read would serve lie, and keep
+        them there (pinned) for ``LOCATE_LEASE`` seconds while the client reads the files itself. Each version is
+        chosen exactly as for a read; one the chain would not serve now is None (the client reads it over the
+        network). All of a batch's pins are taken in one worker hop and released together. A client elsewhere
+        gets EPERM and reads over the network."""
         if not self._same_host(ctx.peer, req.boot_id):
             raise KvfsError(f"short-circuit reads are for clients on this host; {ctx.peer} is not", errno.EPERM)
-        if not 0 <= req.offset < p.MAX_CHUNK_SIZE or not 0 <= req.length <= p.MAX_CHUNK_SIZE:
-            raise KvfsError(f"locate range {req.offset}+{req.length} outside any chunk", errno.EINVAL)
-        member, version = await self._readable_version(req.chain_id, req.chain_version, req.chunk_id)
-        if version == 0:
-            return p.ChunkLocation(0)
-        engine = self.engines[member.target_id]
-        try:  # a held version is written out first: that may wait for the disk
-            loc = await self._readers.run(lambda: engine.pin_location(req.chunk_id, version, req.offset, req.length))
-        except KvfsError as exc:
-            _hole_or_moved_on(exc, engine, req.chunk_id, version)
-            return p.ChunkLocation(0)
-        # the pin must outlive the deadline the client checks against: take the time after pinning
+        located: list[p.ChunkLocation | None] = [None] * len(req.ranges)
+        chosen: list[tuple[int, ChunkEngine, p.ReadRange, int]] = []
+        for i, r in enumerate(req.ranges):
+            if not 0 <= r.offset < p.MAX_CHUNK_SIZE or not 0 <= r.length <= p.MAX_CHUNK_SIZE:
+                continue
+            try:
+                member, version = await self._readable_version(r.chain_id, r.chain_version, r.chunk_id)
+            except KvfsError as exc:
+                log.debug("locate of chunk %s: %s", r.chunk_id, exc.message)
+                continue
+            if version == 0:
+                located[i] = p.ChunkLocation(0)
+            else:
+                chosen.append((i, self.engines[member.target_id], r, version))
+        if not chosen:
+            return p.Located(located)
+
+        def pin(engine: ChunkEngine, r: p.ReadRange, version: int) -> Location | KvfsError:
+            try:
+                return engine.pin_location(r.chunk_id, version, r.offset, r.length)
+            except KvfsError as exc:
+                return exc
+
+        # a held version is written out first: that may wait for the disk
+        pinned = await self._readers.run(lambda: [pin(engine, r, version) for _, engine, r, version in chosen])
+        # the pins must outlive the deadline the client checks against: take the time after pinning
         deadline = time.monotonic_ns() + int(LOCATE_LEASE * 1e9)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._release_at, deadline, loc.release)
-        LOCATED.inc()
-        return p.ChunkLocation(loc.version, str(loc.path), loc.offset, loc.length, loc.first_block, loc.block_crcs,
-                               deadline)
+        releases = [loc.release for loc in pinned if isinstance(loc, Location)]
+        if releases:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._release_at, deadline, releases)
+            LOCATED.inc(len(releases))
+        for (i, engine, r, version), loc in zip(chosen, pinned):
+            if isinstance(loc, Location):
+                located[i] = p.ChunkLocation(loc.version, str(loc.path), loc.offset, loc.length, loc.first_block,
+                                             loc.block_crcs, deadline)
+                continue
+            try:
+                _hole_or_moved_on(loc, engine, r.chunk_id, version)
+                located[i] = p.ChunkLocation(0)  # removed meanwhile: a hole
+            except KvfsError as exc:  # moved on, or in several places (EXDEV): read over the network
+                log.debug("locate of chunk %s: %s", r.chunk_id, exc.message)
+        return p.Located(located)
 
     @staticmethod
-    async def _release_at(deadline_ns: int, release: Callable[[], None]) -> None:
+    async def _release_at(deadline_ns: int, releases: list[Callable[[], None]]) -> None:
         try:
             await trio.sleep(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9) + _LEASE_SLACK)
         finally:
-            release()
+            for release in releases:
+                release()
 
     def _same_host(self, peer: str, boot_id: str) -> bool:
         """The peer connected from this host (loopback, or this server's own address) and runs on this kernel."""

@@ -2,7 +2,7 @@
 straight from the server's slot file and checks it, instead of asking the server for the bytes.
 
 The server chose the version by the chain's rules and pinned it until ``deadline_ns`` on the host's monotonic clock
-(``chunk.locate``, :class:`~kvfs.chunkserver.protocol.ChunkLocation`). A read is trusted only if it ended before
+(``chunk.locate_many``, :class:`~kvfs.chunkserver.protocol.ChunkLocation`). A read is trusted only if it ended before
 that deadline (so every byte came from the pinned version) and every 64 KiB block it touched has the CRC32C the
 server stored; anything else raises :class:`LocalReadFailed` and the caller reads over the network instead
 (chunkserver/README.md, "Short-circuit reads", has the argument). Shared by kvclient and the mount.

@@ -4,7 +4,7 @@ slot file, with no round trip to a chunk server.
 A cold 4 KiB read over the network costs a request and an answer through two Python processes (~0.4 ms of CPU
 over the mount and the chunk server, benchmarks/RESULTS.md "Cold paths, hop by hop"); the disk read itself takes
 ~0.1 ms. So the mount asks a chunk server on this host where the readable version of a whole chunk lies
-(``chunk.locate``: one round trip, and the server pins that version for a few seconds), keeps the answer, and
+(``chunk.locate_many`` of one chunk: one round trip, and the server pins that version for a few seconds), keeps the answer, and
 reads every block it then misses in that chunk straight from the file, checking the pin's deadline and each
 block's CRC32C (:mod:`kvfs.chunkserver.shortcircuit`). A location is dropped when the pin is about to end, when
 this mount writes or truncates the file, or when the file's (mtime, size) at an open differs from the one it was

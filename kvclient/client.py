@@ -34,7 +34,7 @@ from kvfs.meta.types import Caller, Commit, Found, Layout
 from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
 from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
-from kvfs.kvclient.local import ChunkReader
+from kvfs.kvclient.local import ChunkReader, ObjectRead
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
 from kvfs.transport import shm
@@ -60,12 +60,6 @@ class BufferTooSmall(KvfsError):
     """The caller's buffer cannot hold the whole object (nothing is read)."""
 
     default_errno = errno.EMSGSIZE
-
-
-class ShortObject(KvfsError):
-    """Fewer bytes arrived than the object holds: an error, never a silent short read."""
-
-    default_errno = errno.EIO
 
 
 class ClientClosed(KvfsError):
@@ -192,15 +186,36 @@ class _Core:
         return await per_batch(self.meta.batch_lookup, self.caller, d, keys)
 
     async def get_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int]:
-        """Batch get: one metadata round trip, then every object's chunk reads in parallel."""
+        """Batch get: one metadata round trip, then every object's chunks together (``ChunkReader.read_many``)."""
         found = await self.lookup_many([key for key, _ in items])
-        return await self.batch(self._read_found, [(key, f, out) for (key, out), f in zip(items, found)])
+        return [r if isinstance(r, int) else -(r.errno or errno.EIO)
+                for r in await self._read_found([(key, f, out) for (key, out), f in zip(items, found)])]
 
-    async def _read_found(self, key: bytes, found: Found | None, out: memoryview | DeviceSpan) -> int:
-        if found is None:
-            MISSES.inc()
-            return -errno.ENOENT
-        return await self._read(key, found.attr, out, found.layout)
+    async def _read_found(self, items: Sequence[tuple[bytes, Found | None, memoryview | DeviceSpan]]
+                          ) -> list[int | OSError]:
+        """Per item: the bytes read, -ENOENT for a key not found, or the error (BufferTooSmall, ShortObject, ...)."""
+        results: list[int | OSError] = [0] * len(items)
+        reads: list[tuple[int, ObjectRead]] = []
+        for i, (key, found, out) in enumerate(items):
+            if found is None:
+                MISSES.inc()
+                results[i] = -errno.ENOENT
+            elif found.attr.size > len(out):
+                results[i] = BufferTooSmall(f"object {key!r} is {found.attr.size} bytes; the buffer holds {len(out)}")
+            else:
+                attr = found.attr
+                layout = found.layout or await self.meta.get_layout(self.caller, attr.ino)
+                reads.append((i, ObjectRead(attr.ino, layout, attr.size, attr.mtime_ns, out)))
+        errors = await self.reader.read_many([read for _, read in reads])
+        for (i, read), error in zip(reads, errors):
+            if error is not None:
+                results[i] = error
+                continue
+            results[i] = read.size
+            HITS.inc()
+            BYTES_READ.inc(read.size)
+            self.accesses.record(items[i][0])
+        return results
 
     async def remove_many(self, keys: Sequence[bytes]) -> list[int]:
         d = await self.ns_dir(create=False)
@@ -210,21 +225,10 @@ class _Core:
 
     async def get_into(self, key: bytes, out: memoryview | DeviceSpan) -> int:
         (found,) = await self.lookup_many([key])
-        return await self._read_found(key, found, out)
-
-    async def _read(self, key: bytes, attr: Any, out: memoryview | DeviceSpan,
-                    layout: Layout | None = None) -> int:
-        size = attr.size
-        if size > len(out):
-            raise BufferTooSmall(f"object {key!r} is {size} bytes; the buffer holds {len(out)}")
-        if size:
-            layout = layout or await self.meta.get_layout(self.caller, attr.ino)
-            async with self.limit:
-                await self.reader.read(attr.ino, layout, size, out)
-        HITS.inc()
-        BYTES_READ.inc(size)
-        self.accesses.record(key)
-        return size
+        (result,) = await self._read_found([(key, found, out)])
+        if isinstance(result, OSError):
+            raise result
+        return result
 
     async def get(self, key: bytes) -> bytes | None:
         (found,) = await self.lookup_many([key])
@@ -232,7 +236,9 @@ class _Core:
             MISSES.inc()
             return None
         buf = bytearray(found.attr.size)
-        await self._read(key, found.attr, memoryview(buf), found.layout)
+        (result,) = await self._read_found([(key, found, memoryview(buf))])
+        if isinstance(result, OSError):
+            raise result
         return bytes(buf)
 
     async def remove(self, key: bytes) -> int:

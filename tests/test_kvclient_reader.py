@@ -56,7 +56,7 @@ def test_any_range_reads_back_exactly_and_zeros_past_the_end(stored, within: int
     engine, data, reader = stored
     within = min(within, len(data))
     out = memoryview(bytearray(b"\xAA" * n))
-    reader._pread_checked(_located(engine, within, n), within, out)
+    reader.files.read_checked(_located(engine, within, n), within, out)
     expected = data[within : within + n]
     assert bytes(out) == expected + bytes(n - len(expected))
 
@@ -64,8 +64,8 @@ def test_any_range_reads_back_exactly_and_zeros_past_the_end(stored, within: int
 def test_a_read_past_the_pins_deadline_is_refused(stored) -> None:
     engine, data, reader = stored
     with pytest.raises(LocalReadFailed) as e:
-        reader._pread_checked(_located(engine, 0, BLOCK, deadline_ns=time.monotonic_ns() - 1), 0,
-                              memoryview(bytearray(BLOCK)))
+        reader.files.read_checked(_located(engine, 0, BLOCK, deadline_ns=time.monotonic_ns() - 1), 0,
+                                  memoryview(bytearray(BLOCK)))
     assert e.value.reason == "lease"
 
 
@@ -80,9 +80,9 @@ def test_a_corrupt_block_is_refused(tmp_path) -> None:
             f.write(bytes([data[BLOCK + 100] ^ 1]))
         reader = _reader()
         try:
-            reader._pread_checked(loc, 0, memoryview(bytearray(BLOCK)))  # block 0 is intact
+            reader.files.read_checked(loc, 0, memoryview(bytearray(BLOCK)))  # block 0 is intact
             with pytest.raises(LocalReadFailed) as e:
-                reader._pread_checked(loc, BLOCK + 10, memoryview(bytearray(50)))
+                reader.files.read_checked(loc, BLOCK + 10, memoryview(bytearray(50)))
             assert e.value.reason == "crc" and "block 1" in e.value.message
         finally:
             reader.close()
