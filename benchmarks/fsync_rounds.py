@@ -4,8 +4,9 @@
 
 Brings up mgmtd, meta and 3 chunk servers with ``kvfs up`` (no mount; replication 3, write-back, fsync on) in a
 temporary directory, writes a 16-chunk file (4 MiB chunks), then repeats what the mount does at an fsync of a file
-with gathered 4 KiB writes: for each of ``--chunks`` distinct chunks at once, one ``StorageClient.write_runs``
-of two 4 KiB runs (one chain round per chunk), then ``StorageClient.flush`` (every chunk server flushes). Prints
+with gathered 4 KiB writes: two 4 KiB runs in each of ``--chunks`` distinct chunks, in one
+``StorageClient.write_many`` (one ``chunk.write_batch`` per chain; before issue 25's batches, one chain round per
+chunk), then ``StorageClient.flush`` (every chunk server flushes). Prints
 the median milliseconds of the writes and of the flush per round, the writes' time per chunk, and the chunk
 servers' CPU (user and system, from /proc) per chunk written. ``fio --rw=randwrite --bs=4k --fsync=32`` on a
 64 MiB file touches about 14 chunks per fsync.
@@ -59,11 +60,11 @@ async def measure(config, pids: list[int], counts: list[int], seconds: float) ->
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
                 started = time.perf_counter()
-                async with trio.open_nursery() as nursery:
-                    for index in rng.sample(range(FILE_CHUNKS), n):
-                        off = index * CHUNK + rng.randrange(CHUNK // 4096 - 4) * 4096
-                        nursery.start_soon(storage.write_runs, ino, layout,
-                                           [(off, rng.randbytes(4096)), (off + 8192, rng.randbytes(4096))])
+                runs = []
+                for index in rng.sample(range(FILE_CHUNKS), n):
+                    off = index * CHUNK + rng.randrange(CHUNK // 4096 - 4) * 4096
+                    runs += [(off, rng.randbytes(4096)), (off + 8192, rng.randbytes(4096))]
+                assert await storage.write_many([(ino, layout, runs)]) == [None]
                 written = time.perf_counter()
                 await storage.flush(ino)
                 writes.append(written - started)

@@ -13,6 +13,7 @@ once. One write per chunk is in flight at a time from one client (the CRAQ head 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import ipaddress
@@ -20,7 +21,8 @@ import itertools
 import logging
 import random
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -31,7 +33,8 @@ from kvfs.craq.cluster import RoutingSnapshot
 from kvfs.craq.messages import ChainConfig, ChunkId, TargetState, WriteReq
 from kvfs.craq.client import MgmtdClient
 from kvfs.aio import one_error
-from kvfs.errors import ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting
+from kvfs.errors import (ChecksumMismatch, ConnectionLost, KvfsError, RpcTimeout, ServiceUnavailable, StaleRouting,
+                         from_wire)
 from kvfs.rpc import RpcClient
 from kvfs.storage import Buffer, LayoutLike
 from kvfs.transport.direct import DirectInto
@@ -43,6 +46,69 @@ log = logging.getLogger("kvfs.storage")
 #: Failures after which the same operation may succeed elsewhere or a little later.
 _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
+#: Chunk writes smaller than this go to a chain's head together, one ``chunk.write_batch`` per chain; larger ones
+#: (sequential writers' whole or quarter chunks) one ``chunk.write`` each, pipelined across the chain as before.
+BATCH_BELOW = 256 << 10
+BATCH_BYTES = 8 << 20  # data of one chunk.write_batch at most (a frame carries up to 80 MiB, a body up to 1 MiB)
+BATCH_WRITES = 256  # chunk writes in one chunk.write_batch at most
+
+
+def _transient(exc: KvfsError) -> bool:
+    """Whether the same operation may succeed elsewhere or a little later."""
+    return isinstance(exc, _TRANSIENT) or exc.errno in _RETRY_ERRNOS
+
+
+@dataclass(eq=False)
+class _ChunkWrite:
+    """One chunk's update in a :meth:`StorageClient.write_many`: its runs ``(offset in chunk, bytes)``, sorted and
+    apart, and the entries of the call whose runs they are."""
+
+    ino: int
+    layout: LayoutLike
+    index: int
+    runs: list[tuple[int, memoryview]]
+    entries: set[int]
+    request_id: int = 0
+    error: KvfsError | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(len(data) for _, data in self.runs)
+
+    def request(self, chain: ChainConfig, client_id: int) -> WriteReq:
+        crc = 0
+        for _, data in self.runs:
+            crc = crc32c(data, crc)
+        extents = [(at, len(data)) for at, data in self.runs] if len(self.runs) > 1 else None
+        return WriteReq(chain.chain_id, chain.chain_version, ChunkId(self.ino, self.index), client_id,
+                        self.request_id, self.runs[0][0], crc, extents=extents)
+
+
+def _plan(writes: Sequence[tuple[int, LayoutLike, list[tuple[int, Buffer]]]]) -> list[list[_ChunkWrite]]:
+    """Rounds of chunk updates, each chunk at most once per round: all runs of a chunk in one update, except that
+    a run overlapping an earlier one goes to a later round than it (so the later bytes win)."""
+    placed: dict[tuple[int, int], list[tuple[int, int, int, memoryview, int]]] = {}  # chunk -> (round, lo, hi, data, entry)
+    layouts: dict[int, LayoutLike] = {}
+    for entry, (ino, layout, runs) in enumerate(writes):
+        layouts[ino] = layout
+        for offset, data in runs:
+            view = memoryview(data).cast("B")
+            for index, within, at in split_range(offset, len(view), layout.chunk_size):
+                piece = view[at : at + layout.chunk_size - within]
+                end = within + len(piece)
+                got = placed.setdefault((ino, index), [])
+                later = max((r + 1 for r, lo, hi, _, _ in got if lo < end and within < hi), default=0)
+                got.append((later, within, end, piece, entry))
+    rounds: list[list[_ChunkWrite]] = []
+    for (ino, index), got in placed.items():
+        for r in range(max(g[0] for g in got) + 1):
+            mine = sorted((g for g in got if g[0] == r), key=lambda g: g[1])
+            if mine:
+                while len(rounds) <= r:
+                    rounds.append([])
+                rounds[r].append(_ChunkWrite(ino, layouts[ino], index, [(lo, data) for _, lo, _, data, _ in mine],
+                                             {g[4] for g in mine}))
+    return rounds
 
 
 def split_range(offset: int, length: int, chunk_size: int) -> list[tuple[int, int, int]]:
@@ -132,7 +198,7 @@ class StorageClient:
             try:
                 return await attempt(n)
             except KvfsError as exc:
-                if not (isinstance(exc, _TRANSIENT) or exc.errno in _RETRY_ERRNOS):
+                if not _transient(exc):
                     raise
                 if trio.current_time() > deadline:
                     raise KvfsError(f"{what}: gave up after {self._retry_for:g}s: {exc.message}", exc.errno) from None
@@ -148,57 +214,114 @@ class StorageClient:
     # ------------------------------------------------------------------------------------ writes
 
     async def write(self, ino: int, layout: LayoutLike, offset: int, data: Buffer) -> None:
-        view = memoryview(data).cast("B")
-        pieces = split_range(offset, len(view), layout.chunk_size)
-        if len(pieces) == 1:
-            index, within, at = pieces[0]
-            await self._write_chunk(ino, layout, index, within, view)
-            return
-        async with one_error(), trio.open_nursery() as nursery:
-            for index, within, at in pieces:
-                piece = view[at : at + layout.chunk_size - within]
-                nursery.start_soon(self._bounded, self._write_chunk, ino, layout, index, within, piece)
+        await self.write_runs(ino, layout, [(offset, data)])
 
     async def write_runs(self, ino: int, layout: LayoutLike, runs: list[tuple[int, Buffer]]) -> None:
-        if len(runs) == 1:
-            await self.write(ino, layout, *runs[0])
-            return
-        index, within = divmod(runs[0][0], layout.chunk_size)
-        base = index * layout.chunk_size
-        last, tail = runs[-1]
-        if last + len(tail) > base + layout.chunk_size:
-            raise KvfsError(f"runs of chunk {index} of inode {ino} leave the chunk", errno.EINVAL)
-        extents = [(offset - base, len(data)) for offset, data in runs]
-        await self._write_chunk(ino, layout, index, within, memoryview(b"".join(data for _, data in runs)), extents)
+        (error,) = await self.write_many([(ino, layout, runs)])
+        if error is not None:
+            raise error
+
+    async def write_many(self, writes: Sequence[tuple[int, LayoutLike, list[tuple[int, Buffer]]]]
+                         ) -> list[KvfsError | None]:
+        """Write ``(inode, layout, runs of (file offset, bytes))`` entries, of one file or many, as few chain
+        rounds as it takes: a chunk's runs become one update (one new version), and the small updates of one
+        chain go to its head as one ``chunk.write_batch``, which every replica stages and commits as one batch
+        (chunkserver/README.md, "Batched writes"). Returns for each entry None, or the error of its first chunk
+        that failed; the other entries' chunks are written regardless. The bytes must stay unchanged until this
+        returns (they are lent to the transport)."""
+        rounds = _plan(writes)
+        for updates in rounds:
+            await self._write_round(updates)
+        results: list[KvfsError | None] = [None] * len(writes)
+        for updates in rounds:
+            for u in updates:
+                for entry in u.entries:
+                    if u.error is not None and results[entry] is None:
+                        results[entry] = u.error
+        return results
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, keys: list[tuple[int, int]]) -> AsyncIterator[None]:
+        """Hold the locks of these chunks (in one order, so two callers cannot wait for each other): one write per
+        chunk in flight from this client, as the head requires."""
+        held: list[tuple[tuple[int, int], trio.Lock]] = []
+        try:
+            for key in sorted(keys):
+                lock = self._chunk_locks.setdefault(key, trio.Lock())
+                await lock.acquire()
+                held.append((key, lock))
+            yield
+        finally:
+            for key, lock in held:
+                lock.release()
+                if not lock.statistics().tasks_waiting and not lock.locked():
+                    self._chunk_locks.pop(key, None)
+
+    async def _write_round(self, updates: list[_ChunkWrite]) -> None:
+        """Write updates of distinct chunks; each ends with ``error`` None or why it failed. Transient failures
+        are retried (with the same request ids: a retry is applied once) after a routing refresh."""
+        async with self._locked([(u.ino, u.index) for u in updates]):
+            for u in updates:
+                u.request_id = next(self._request_ids)
+            todo = updates
+
+            async def attempt(n: int) -> None:
+                nonlocal todo
+                by_chain: dict[int, tuple[ChainConfig, list[_ChunkWrite]]] = {}
+                for u in todo:
+                    chain = await self._chain(u.layout, u.ino, u.index)
+                    by_chain.setdefault(chain.chain_id, (chain, []))[1].append(u)
+                async with trio.open_nursery() as nursery:
+                    for chain, mine in by_chain.values():
+                        small = [u for u in mine if u.size < BATCH_BELOW]
+                        alone = [u for u in mine if u.size >= BATCH_BELOW] + (small if len(small) == 1 else [])
+                        for u in alone:
+                            nursery.start_soon(self._bounded, self._send_writes, chain, [u])
+                        batch: list[_ChunkWrite] = []
+                        for u in small if len(small) > 1 else []:
+                            if batch and (len(batch) == BATCH_WRITES or sum(b.size for b in batch) + u.size > BATCH_BYTES):
+                                nursery.start_soon(self._bounded, self._send_writes, chain, batch)
+                                batch = []
+                            batch.append(u)
+                        if batch:
+                            nursery.start_soon(self._bounded, self._send_writes, chain, batch)
+                todo = [u for u in todo if u.error is not None and _transient(u.error)]
+                if todo:
+                    raise todo[0].error  # type: ignore[misc]
+
+            try:
+                await self._retrying(f"write of {len(updates)} chunks", attempt)
+            except KvfsError as exc:
+                for u in todo:
+                    u.error = exc
+
+    async def _send_writes(self, chain: ChainConfig, updates: list[_ChunkWrite]) -> None:
+        """One ``chunk.write`` (one update) or ``chunk.write_batch`` to the chain's head; sets each one's ``error``."""
+        try:
+            writers = chain.write_chain()
+            if not writers:
+                raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
+            address = self._address(writers[0], chain)
+            requests = [u.request(chain, self.client_id) for u in updates]
+            data = [piece for u in updates for _, piece in u.runs]
+            # lent: the caller keeps the bytes unchanged until this returns, and the head checks their CRC
+            if len(updates) == 1:
+                await self.rpc.call(address, p.WRITE, requests[0], data=data, timeout=self._call_timeout, lend=True)
+                replies = [None]
+            else:
+                answer = await self.rpc.call(address, p.WRITE_BATCH, p.WriteBatch(requests, [u.size for u in updates]),
+                                             data=data, timeout=self._call_timeout, lend=True)
+                replies = [from_wire(r.errno, r.message) if r.errno else None for r in answer.results]
+        except KvfsError as exc:
+            replies = [exc] * len(updates)
+        for u, error in zip(updates, replies):
+            u.error = error
+            if error is None:
+                self._unflushed.add(chain.chain_id)
 
     async def _bounded(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         async with self._window:
             await fn(*args)
-
-    async def _write_chunk(self, ino: int, layout: LayoutLike, index: int, within: int, data: memoryview,
-                           extents: list[tuple[int, int]] | None = None) -> None:
-        lock = self._chunk_locks.setdefault((ino, index), trio.Lock())
-        async with lock:
-            try:
-                request_id = next(self._request_ids)
-                crc = crc32c(data)
-
-                async def attempt(n: int) -> None:
-                    chain = await self._chain(layout, ino, index)
-                    writers = chain.write_chain()
-                    if not writers:
-                        raise ServiceUnavailable(f"chain {chain.chain_id} has no serving target")
-                    request = WriteReq(chain.chain_id, chain.chain_version, ChunkId(ino, index), self.client_id,
-                                       request_id, within, crc, extents=extents)
-                    # lent: the caller keeps ``data`` unchanged until this returns, and the head checks its CRC
-                    await self.rpc.call(self._address(writers[0], chain), p.WRITE, request, data=data,
-                                        timeout=self._call_timeout, lend=True)
-                    self._unflushed.add(chain.chain_id)
-
-                await self._retrying(f"write of chunk {index} of inode {ino}", attempt)
-            finally:
-                if not lock.statistics().tasks_waiting:
-                    self._chunk_locks.pop((ino, index), None)
 
     # ------------------------------------------------------------------------------------- reads
 

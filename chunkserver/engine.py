@@ -141,7 +141,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 from crc32c import crc32c
@@ -214,6 +214,21 @@ class StaleVersion(KvfsError):
     """A write names a version that is not newer than the committed one."""
 
     default_errno = errno.EALREADY
+
+
+class PendingWrite(NamedTuple):
+    """One chunk's write for :meth:`ChunkEngine.write_pending_many`; the fields are :meth:`ChunkEngine.write_pending`'s."""
+
+    chunk_id: ChunkId
+    version: int
+    offset: int
+    data: bytes | bytearray | memoryview
+    crc: int
+    full_replace: bool = False
+    aux: bytes = b""
+    force: bool = False
+    block_crcs: list[int] | None = None
+    extents: Sequence[Sequence[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -346,6 +361,28 @@ def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int]
     if fold_crc(blocks, len(data)) != crc:
         raise ChecksumMismatch(f"{what}: data does not match its CRC32C")
     return blocks
+
+
+class _Staged(NamedTuple):
+    """A version whose bytes :meth:`ChunkEngine._prepare` wrote, its row not yet published: the slots it took
+    (``got``) and the committed version it builds on, pinned until then."""
+
+    cid: ChunkId
+    v: _Version
+    got: list[Slot]
+    old: _Version
+    force: bool
+
+
+_PUBLISHED = object()  # a batch's place holder for a result that its transaction fills in
+
+
+def _one(results: list[ChunkVersion | KvfsError]) -> ChunkVersion:
+    """The result of a batch of one, raised if it is an error."""
+    (result,) = results
+    if isinstance(result, KvfsError):
+        raise result
+    return result
 
 
 class ChunkEngine:
@@ -720,30 +757,63 @@ class ChunkEngine:
         ``extents``: ``data`` is several runs, ``(offset, length)`` in order and apart (a client's gathered
         scattered writes), staged as one version; EINVAL if they do not fit.
         """
-        data = memoryview(data).cast("B")
-        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
-        if offset < 0 or offset + len(data) > chunk_size or (full_replace and offset):
+        return _one(self.write_pending_many(
+            [PendingWrite(chunk_id, version, offset, data, crc, full_replace, aux, force, block_crcs, extents)],
+            chunk_size=chunk_size))
+
+    def write_pending_many(self, writes: Sequence[PendingWrite], *, chunk_size: int) -> list[ChunkVersion | KvfsError]:
+        """:meth:`write_pending` for several chunks (each at most once) with one row-store transaction for all:
+        a chain's batch of small writes costs one SQLite commit per replica, not one per chunk. A chunk that
+        fails (bad CRC, stale version, ENOSPC) gets its error in its place and stores nothing, and the others
+        are staged anyway; a failure of the transaction itself raises, and then nothing is staged."""
+        if len({w.chunk_id for w in writes}) != len(writes):
+            raise KvfsError("a batch names a chunk twice", errno.EINVAL)
+        results: list[ChunkVersion | KvfsError | _Staged] = []
+        for w in writes:
+            try:
+                results.append(self._prepare_write(w, chunk_size))
+            except KvfsError as exc:
+                results.append(exc)
+            except BaseException:
+                self._drop_staged([r for r in results if isinstance(r, _Staged)])
+                raise
+        staged = [r for r in results if isinstance(r, _Staged)]
+        published = iter(self._publish_pending(staged))
+        return [next(published) if isinstance(r, _Staged) else r for r in results]
+
+    def _prepare_write(self, w: PendingWrite, chunk_size: int) -> ChunkVersion | _Staged:
+        data = memoryview(w.data).cast("B")
+        cid, version, offset, extents = w.chunk_id, w.version, w.offset, w.extents
+        data_blocks = _checked_block_crcs(f"chunk {cid} v{version}", data, w.crc, w.block_crcs)
+        if offset < 0 or offset + len(data) > chunk_size or (w.full_replace and offset):
             raise KvfsError(
-                f"chunk {chunk_id}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
+                f"chunk {cid}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
                 errno.EINVAL,
             )
-        if force and not full_replace:
-            raise KvfsError(f"chunk {chunk_id}: only a full replace may be forced", errno.EINVAL)
+        if w.force and not w.full_replace:
+            raise KvfsError(f"chunk {cid}: only a full replace may be forced", errno.EINVAL)
         if extents is not None:
-            if full_replace:
-                raise KvfsError(f"chunk {chunk_id}: a full replace is one run", errno.EINVAL)
-            _check_extents(chunk_id, offset, data, extents, chunk_size)
+            if w.full_replace:
+                raise KvfsError(f"chunk {cid}: a full replace is one run", errno.EINVAL)
+            _check_extents(cid, offset, data, extents, chunk_size)
             extents = tuple((start, length) for start, length in extents)
-        return self._stage(chunk_id, version, offset, data, data_blocks, crc, full_replace=full_replace, force=force,
-                           aux=aux, extents=extents)
+        return self._prepare(cid, version, offset, data, data_blocks, w.crc, full_replace=w.full_replace,
+                             force=w.force, aux=w.aux, extents=extents)
 
-    def _stage(
+    def _stage(self, cid: ChunkId, *args: Any, **kwargs: Any) -> ChunkVersion:
+        """Write a version's bytes (:meth:`_prepare`) and publish its row."""
+        prepared = self._prepare(cid, *args, **kwargs)
+        return prepared if isinstance(prepared, ChunkVersion) else _one(self._publish_pending([prepared]))
+
+    def _prepare(
         self, cid: ChunkId, version: int, offset: int, data: memoryview, data_blocks: list[int], crc: int,
         *, full_replace: bool, force: bool, new_len: int | None = None, aux: bytes = b"",
         extents: tuple[tuple[int, int], ...] | None = None, base: tuple[int, int] | None = None,
-    ) -> ChunkVersion:
-        """``base``: (version, chunk CRC) of a delta (:meth:`write_delta`): the committed version it must apply to
-        and the CRC the result must have; the blocks it keeps are read and checked first."""
+    ) -> ChunkVersion | _Staged:
+        """Write a version's bytes into slots no row names; its row is for :meth:`_publish_pending` (a retransmit
+        of a version already there returns its meta). ``base``: (version, chunk CRC) of a delta
+        (:meth:`write_delta`): the committed version it must apply to and the CRC the result must have; the
+        blocks it keeps are read and checked first."""
         asked_len = new_len
         for last_try in (False, True):
             with self._lock:
@@ -805,9 +875,10 @@ class ChunkEngine:
                 if base is not None and staged.crc != base[1]:
                     raise ChecksumMismatch(f"chunk {cid}: v{version} from a delta of v{base[0]} does not match its CRC")
                 # old stays pinned until the new version's row names the slots they share
-                return self._publish_pending(cid, staged, force)
-            finally:
+                return _Staged(cid, staged, got, old, force)
+            except BaseException:
                 self._release(old)
+                raise
         except BaseException as e:
             with self._lock:
                 for key in got:
@@ -844,28 +915,62 @@ class ChunkEngine:
             self._slots.release(*key)
         return None
 
-    def _publish_pending(self, cid: ChunkId, v: _Version, force: bool) -> ChunkVersion:
-        with self._db_lock:
-            entry = self._entry(cid) or _Entry()
-            committed = entry.committed.version if entry.committed else 0
-            if not force and v.version <= committed:
-                raise StaleVersion(f"chunk {cid}: v{v.version} is not newer than committed v{committed}")
-            key = (cid.inode, cid.index)
-            statements = [rows.put_pending(key, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls, v.slot, v.aux,
-                                           v.overrides_blob())]
-            if self._write_back:
-                statements.append(rows.list_unflushed(self._seq + 1, key, v.version))
-            durable = self._execute(*statements, durable=self._write_through)
+    def _publish_pending(self, staged: Sequence[_Staged]) -> list[ChunkVersion | KvfsError]:
+        """Publish staged versions' rows in one transaction; one that is no longer newer than its chunk's committed
+        version gets StaleVersion. Every staged version's committed one is unpinned, and the slots of those not
+        published are freed."""
+        results: list[ChunkVersion | KvfsError] = []
+        published: list[_Staged] = []
+        try:
+            with self._db_lock:
+                statements = []
+                for st in staged:
+                    entry = self._entry(st.cid) or _Entry()
+                    committed = entry.committed.version if entry.committed else 0
+                    if not st.force and st.v.version <= committed:
+                        results.append(StaleVersion(f"chunk {st.cid}: v{st.v.version} is not newer than committed "
+                                                    f"v{committed}"))
+                        continue
+                    v, key = st.v, (st.cid.inode, st.cid.index)
+                    statements.append(rows.put_pending(key, v.version, v.length, v.crc, v.blocks.tobytes(), v.cls,
+                                                       v.slot, v.aux, v.overrides_blob()))
+                    if self._write_back:
+                        statements.append(rows.list_unflushed(self._seq + 1 + len(published), key, v.version))
+                    published.append(st)
+                    results.append(_PUBLISHED)
+                if not published:
+                    return results
+                durable = self._execute(*statements, durable=self._write_through)
+                with self._lock:
+                    metas = iter([self._adopt_pending(st.cid, st.v, durable) for st in published])
+                return [next(metas) if r is _PUBLISHED else r for r in results]
+        except BaseException:
+            published = []
+            raise
+        finally:
+            self._drop_staged([st for st in staged if all(st is not p for p in published)])
+            for st in published:
+                self._release(st.old)
+
+    def _adopt_pending(self, cid: ChunkId, v: _Version, durable: bool) -> ChunkVersion:
+        """Make a version whose row was just published the chunk's pending one (the caller holds the lock)."""
+        if self._write_back:
+            self._seq += 1
+            self._last_seq[cid] = v.seq = self._seq
+        entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, _Entry())
+        self._adopt(v)
+        if entry.pending is not None:
+            self._retire(entry.pending, durable)
+        entry.pending = v
+        return self._meta(cid, v, entry)
+
+    def _drop_staged(self, staged: Sequence[_Staged]) -> None:
+        """Undo :meth:`_prepare` for versions never published: free their slots, unpin their committed ones."""
+        for st in staged:
+            self._release(st.old)
             with self._lock:
-                if self._write_back:
-                    self._seq += 1
-                    self._last_seq[cid] = v.seq = self._seq
-                entry = self._chunks.setdefault(cid.inode, {}).setdefault(cid.index, entry)
-                self._adopt(v)
-                if entry.pending is not None:
-                    self._retire(entry.pending, durable)
-                entry.pending = v
-                return self._meta(cid, v, entry)
+                for key in st.got:
+                    self._free(*key)
 
     def _execute(self, *statements: rows.Statement, durable: bool) -> bool:
         """Run statements as one transaction of the row store (the caller holds ``_db_lock``); see
@@ -884,30 +989,53 @@ class ChunkEngine:
         """Make pending ``version`` the committed one (atomic); idempotent once it is committed.
         ``durable=False``: without an fsync of its own; a power loss may leave the version pending (see
         "Crash safety")."""
+        return _one(self.commit_many([(chunk_id, version)], durable=durable))
+
+    def commit_many(self, commits: Sequence[tuple[ChunkId, int]], *, durable: bool = True
+                    ) -> list[ChunkVersion | KvfsError]:
+        """:meth:`commit` of several chunks (each at most once) in one row-store transaction, so a chain's batch
+        costs one SQLite commit per replica; a chunk without that pending version gets ENOENT in its place. Each
+        chunk flips atomically from its old to its new version (one transaction for all of them)."""
+        if len({cid for cid, _ in commits}) != len(commits):
+            raise KvfsError("a batch names a chunk twice", errno.EINVAL)
+        results: list[ChunkVersion | KvfsError] = []
+        flips: list[tuple[ChunkId, _Entry, bool, _Version | None]] = []
         with self._db_lock:
-            entry = self._entry(chunk_id)
-            if entry is None or entry.pending is None or entry.pending.version != version:
-                if entry is not None and entry.committed is not None and entry.committed.version == version:
-                    return self._meta(chunk_id, entry.committed, entry)
-                raise KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT)
-            key = (chunk_id.inode, chunk_id.index)
-            old = entry.committed
-            # Write-back keeps the newest flushed committed version until a flush, for a power loss to fall back to.
-            keep = self._write_back and old is not None and old.seq <= self._covered_upto
-            dropped = self._superseded.get(chunk_id) if keep else old
-            statements = [rows.move(key, 1, 0)]
-            if keep:
-                statements[:0] = [rows.delete(key, 2), rows.move(key, 0, 2)]
-            else:
-                statements[:0] = [rows.delete(key, 0)]
-            durable = self._execute(*statements, durable=durable and self._write_through)
-            with self._lock:
+            statements: list[rows.Statement] = []
+            for chunk_id, version in commits:
+                entry = self._entry(chunk_id)
+                if entry is None or entry.pending is None or entry.pending.version != version:
+                    if entry is not None and entry.committed is not None and entry.committed.version == version:
+                        results.append(self._meta(chunk_id, entry.committed, entry))
+                    else:
+                        results.append(KvfsError(f"chunk {chunk_id}: no pending v{version} to commit", errno.ENOENT))
+                    continue
+                key = (chunk_id.inode, chunk_id.index)
+                old = entry.committed
+                # Write-back keeps the newest flushed committed version until a flush, for a power loss to fall
+                # back to.
+                keep = self._write_back and old is not None and old.seq <= self._covered_upto
                 if keep:
-                    self._superseded[chunk_id] = old
-                if dropped is not None:
-                    self._retire(dropped, durable)
-                entry.committed, entry.pending = entry.pending, None
-                return self._meta(chunk_id, entry.committed, entry)
+                    statements += [rows.delete(key, 2), rows.move(key, 0, 2), rows.move(key, 1, 0)]
+                else:
+                    statements += [rows.delete(key, 0), rows.move(key, 1, 0)]
+                flips.append((chunk_id, entry, keep, old))
+                results.append(_PUBLISHED)
+            if not flips:
+                return results
+            durable = self._execute(*statements, durable=durable and self._write_through)
+            metas = []
+            with self._lock:
+                for chunk_id, entry, keep, old in flips:
+                    dropped = self._superseded.get(chunk_id) if keep else old
+                    if keep:
+                        self._superseded[chunk_id] = old
+                    if dropped is not None:
+                        self._retire(dropped, durable)
+                    entry.committed, entry.pending = entry.pending, None
+                    metas.append(self._meta(chunk_id, entry.committed, entry))
+        flipped = iter(metas)
+        return [next(flipped) if r is _PUBLISHED else r for r in results]
 
     def flush(self) -> None:
         """Make every version staged, committed or removed before this call durable (a client's fsync, a periodic

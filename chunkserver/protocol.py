@@ -26,6 +26,29 @@ class PeerEnvelope(msgspec.Struct, array_like=True):
     msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState | ResyncPull
 
 
+class PeerBatch(msgspec.Struct, array_like=True):
+    """Several replication messages to one member, sent together because one batch of writes made them (one
+    frame instead of one per chunk). The data section holds each update's bytes in order, ``sizes[i]`` of them
+    (0 for an ack)."""
+
+    msgs: list[UpdateReq | UpdateAck]
+    sizes: list[int]
+
+
+class WriteBatch(msgspec.Struct, array_like=True):
+    """Client -> head: writes of several chunks, each at most once (one chain round for all of them instead of
+    one each). The data section holds each write's bytes in order, ``sizes[i]`` of them."""
+
+    writes: list[WriteReq]
+    sizes: list[int]
+
+
+class WriteBatchResult(msgspec.Struct, array_like=True):
+    """One answer per write of a :class:`WriteBatch`, in its order: each chunk succeeds or fails on its own."""
+
+    results: list[WriteResp]
+
+
 class ReadRange(msgspec.Struct, array_like=True):
     chain_id: int
     chain_version: int
@@ -169,3 +192,5 @@ REMOVE_FILES = Method(309, "chunk.remove_files", RemoveFiles, Removed, idempoten
 FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)
 # 311 was chunk.locate (one chunk a call), retired for 312: never reuse it
 LOCATE_MANY = Method(312, "chunk.locate_many", LocateChunks, Located, idempotent=True)
+WRITE_BATCH = Method(313, "chunk.write_batch", WriteBatch, WriteBatchResult)
+PEER_BATCH = Method(314, "chunk.peer_batch", PeerBatch, Empty)

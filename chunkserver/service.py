@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ import trio
 from crc32c import crc32c
 
 from kvfs.chunkserver import protocol as p
-from kvfs.chunkserver.engine import ChunkEngine, Location
+from kvfs.chunkserver.engine import ChunkEngine, ChunkVersion, Location, PendingWrite
 from kvfs.craq.cluster import Heartbeat, RoutingSnapshot
 from kvfs.craq.member import (
     Abort,
@@ -69,7 +70,7 @@ from kvfs.errors import ChecksumMismatch, KvfsError, NotCommitted, ProtocolError
 from kvfs.pool import RECEIVED
 from kvfs.rpc import CallContext, RpcClient, RpcServer
 from kvfs.transport import shm
-from kvfs.wire import Empty
+from kvfs.wire import Empty, Method
 
 log = logging.getLogger("kvfs.chunkserver")
 
@@ -177,6 +178,35 @@ def _hole_or_moved_on(exc: KvfsError, engine: ChunkEngine, chunk_id: ChunkId, ve
         raise NotCommitted(f"chunk {chunk_id} moved past v{version} during the read") from None
 
 
+def _peer_message(msgs: list[UpdateReq | UpdateAck]) -> tuple[Method, msgspec.Struct, list[Any] | None]:
+    """The one-way message that carries ``msgs`` to a member: alone, or as one :class:`~p.PeerBatch`. An update's
+    bytes leave the message for the frame's data section."""
+    data = [m.data if isinstance(m, UpdateReq) and m.data is not None else b"" for m in msgs]
+    bare = [msgspec.structs.replace(m, data=None) if isinstance(m, UpdateReq) else m for m in msgs]
+    if len(msgs) == 1:
+        return p.PEER, p.PeerEnvelope(bare[0]), data if len(data[0]) else None
+    return p.PEER_BATCH, p.PeerBatch(bare, [len(d) for d in data]), [d for d in data if len(d)]
+
+
+def _chunk_of(effect: Effect) -> ChunkId | None:
+    """The chunk whose data an effect touches (what runs in that chunk's order), if any."""
+    if isinstance(effect, (PersistPending, Commit, Abort)):
+        return effect.chunk_id
+    return effect.msg.chunk_id if isinstance(effect, SendChunk) else None
+
+
+def _split(data: memoryview | None, sizes: list[int]) -> list[memoryview]:
+    """A batch's data section cut into its messages' pieces; [] if the sizes do not add up to it."""
+    view = memoryview(data if data is not None else b"")
+    if sum(sizes) != len(view) or min(sizes, default=0) < 0:
+        return []
+    pieces, at = [], 0
+    for n in sizes:
+        pieces.append(view[at:at + n])
+        at += n
+    return pieces
+
+
 @dataclass
 class _Waiter:
     """Clients waiting for one write's reply (a retry of the same request waits beside the original)."""
@@ -240,6 +270,7 @@ class ChunkServer:
     def register_handlers(self, server: RpcServer) -> None:
         for method, handler in (
             (p.WRITE, self._on_write),
+            (p.WRITE_BATCH, self._on_write_batch),
             (p.READ, self._on_read),
             (p.FETCH, self._on_fetch),
             (p.REMOVE, self._on_remove),
@@ -254,6 +285,7 @@ class ChunkServer:
         # In the connection's reader task, not a task each (two per write and replica): they never wait, they
         # hand the message to the member (whose effects start tasks of their own) or answer from memory.
         server.register(p.PEER, self._on_peer, inline=True)
+        server.register(p.PEER_BATCH, self._on_peer_batch, inline=True)
         server.register(p.VERSION_QUERY, self._on_version_query, inline=True)
 
     async def run(self) -> None:
@@ -382,36 +414,62 @@ class ChunkServer:
 
     # ---------------------------------------------------------------------------------- effects
 
-    def _feed(self, target_id: int, event: Any) -> None:
-        """Hand one event to a member and carry out what it asks, in order."""
-        try:
-            effects = self.members[target_id].handle(event)
-        except ProtocolError as exc:
-            log.warning("target %s dropped %s: %s", target_id, type(event).__name__, exc.message)
-            return
-        except Exception:  # a bug in one chunk's handling must not take every target of the server down
-            log.exception("target %s failed to handle %s", target_id, type(event).__name__)
-            return
+    def _feed(self, target_id: int, *events: Any) -> None:
+        """Hand events to a member and carry out what they ask, in order and together: the effects of a batch's
+        events go out as batches (:meth:`_execute`)."""
+        effects: list[Effect] = []
+        for event in events:
+            try:
+                effects += self.members[target_id].handle(event)
+            except ProtocolError as exc:
+                log.warning("target %s dropped %s: %s", target_id, type(event).__name__, exc.message)
+            except Exception:  # a bug in one chunk's handling must not take every target of the server down
+                log.exception("target %s failed to handle %s", target_id, type(event).__name__)
         self._execute(target_id, effects)
 
     def _execute(self, target_id: int, effects: list[Effect]) -> None:
+        """Carry out effects in order. Persists (other than deltas) and commits of different chunks that come
+        together run as one engine call each (one worker hop, one transaction), and updates and acks to the same
+        member as one message: a group closes as soon as an effect of one of its chunks comes, so every chunk's
+        effects still run in the order given."""
         assert self._nursery is not None
         engine = self.engines[target_id]
+        persists: list[PersistPending] = []
+        commits: list[Commit] = []
+        grouped: set[ChunkId] = set()
+        sends: dict[int, list[UpdateReq | UpdateAck]] = {}
+
+        def close_groups() -> None:
+            if persists:
+                self._in_chunks_order(target_id, [e.chunk_id for e in persists],
+                                      functools.partial(self._persist_many, target_id, persists.copy()))
+            if commits:
+                self._in_chunks_order(target_id, [e.chunk_id for e in commits],
+                                      functools.partial(self._commit_many, target_id, commits.copy()))
+            persists.clear()
+            commits.clear()
+            grouped.clear()
+
         for effect in effects:
+            if _chunk_of(effect) in grouped:
+                close_groups()
             if isinstance(effect, Send):
-                msg, data = _with_block_crcs(engine, effect.msg) if isinstance(effect.msg, ResyncState) else \
-                    (effect.msg, None)
-                self._nursery.start_soon(self._send_peer, effect.target, msg, data)
+                if isinstance(effect.msg, (UpdateReq, UpdateAck)):
+                    sends.setdefault(effect.target, []).append(effect.msg)
+                else:
+                    msg, data = _with_block_crcs(engine, effect.msg) if isinstance(effect.msg, ResyncState) else \
+                        (effect.msg, None)
+                    self._nursery.start_soon(self._send_peer, effect.target, p.PEER, p.PeerEnvelope(msg), data)
             elif isinstance(effect, SendChunk):
                 self._in_chunk_order(target_id, effect.msg.chunk_id, lambda e=effect: self._send_chunk(engine, e))
+            elif isinstance(effect, PersistPending) and effect.delta is None:
+                persists.append(effect)
+                grouped.add(effect.chunk_id)
             elif isinstance(effect, PersistPending):
-                self._in_chunk_order(target_id, effect.chunk_id, lambda e=effect: self._persist(target_id, e))
+                self._in_chunk_order(target_id, effect.chunk_id, lambda e=effect: self._persist_delta(target_id, e))
             elif isinstance(effect, Commit):
-                self._in_chunk_order(
-                    target_id, effect.chunk_id,
-                    lambda e=effect: self._workers.run(
-                        lambda: engine.commit(e.chunk_id, e.version, durable=False)),
-                )
+                commits.append(effect)
+                grouped.add(effect.chunk_id)
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
@@ -428,6 +486,33 @@ class ChunkServer:
                     log.info("resync of target %s done: %d bytes sent, %d chunks as changed blocks, %d whole",
                              effect.msg.target_id, sent, as_blocks, whole)
                 self._nursery.start_soon(self._report, effect.msg)
+        close_groups()
+        for target, msgs in sends.items():
+            self._nursery.start_soon(self._send_peer, target, *_peer_message(msgs))
+
+    def _in_chunks_order(self, target_id: int, chunk_ids: list[ChunkId], job: Callable[[], Awaitable[Any]]) -> None:
+        """Run ``job`` once every earlier job of each of these chunks is done, and their later jobs after it: a
+        batch keeps each chunk's order. Batches are queued in one pass in the order they are made, so two that
+        share chunks meet in the same order in every queue and cannot wait for each other."""
+        if len(chunk_ids) == 1:
+            self._in_chunk_order(target_id, chunk_ids[0], job)
+            return
+        left = len(chunk_ids)
+        done = trio.Event()
+
+        async def arrive() -> None:
+            nonlocal left
+            left -= 1
+            if left:
+                await done.wait()
+                return
+            try:
+                await job()
+            finally:
+                done.set()
+
+        for chunk_id in chunk_ids:
+            self._in_chunk_order(target_id, chunk_id, arrive)
 
     def _in_chunk_order(self, target_id: int, chunk_id: ChunkId, job: Callable[[], Any]) -> None:
         """Run ``job`` after every earlier job of the same chunk; chunks do not wait for each other."""
@@ -453,25 +538,48 @@ class ChunkServer:
         finally:
             del self._chunk_queues[key]
 
-    async def _persist(self, target_id: int, e: PersistPending) -> None:
+    async def _persist_many(self, target_id: int, effects: list[PersistPending]) -> None:
+        """Stage the versions of a batch (one worker hop, one transaction; chunkserver/README.md, "The driver")
+        and report each one's outcome to the member, together."""
         engine = self.engines[target_id]
-        aux = _requests_codec[0].encode(e.requests)
+        writes = [PendingWrite(e.chunk_id, e.version, e.offset, e.data, e.crc, e.full_replace,
+                               _requests_codec[0].encode(e.requests), e.force, e.block_crcs, e.extents)
+                  for e in effects]
         try:
-            if e.delta is not None:
-                d = e.delta
-                meta = await self._workers.run(lambda: engine.write_delta(
-                    e.chunk_id, e.version, d.base_version, d.length, d.chunk_crc, e.data, e.crc, e.extents or (),
-                    aux=aux, force=e.force, block_crcs=e.block_crcs))
-            else:
-                meta = await self._workers.run(lambda: engine.write_pending(
-                    e.chunk_id, e.version, e.offset, e.data, e.crc, full_replace=e.full_replace,
-                    chunk_size=p.MAX_CHUNK_SIZE, aux=aux, force=e.force, block_crcs=e.block_crcs, extents=e.extents,
-                ))
-        except KvfsError as exc:  # e.g. ENOSPC: nothing was stored; the chain abandons the version
-            log.warning("target %s cannot store chunk %s v%s: %s", target_id, e.chunk_id, e.version, exc.message)
-            self._feed(target_id, PersistFailed(e.chunk_id, e.version, exc.errno or errno.EIO, exc.message))
-            return
-        self._feed(target_id, Persisted(e.chunk_id, e.version, meta.crc, meta.length))
+            results = await self._workers.run(lambda: engine.write_pending_many(writes, chunk_size=p.MAX_CHUNK_SIZE))
+        except KvfsError as exc:
+            results = [exc] * len(effects)
+        self._feed(target_id, *(self._persist_outcome(target_id, e, r) for e, r in zip(effects, results)))
+
+    async def _persist_delta(self, target_id: int, e: PersistPending) -> None:
+        """Stage a resync copy of only the blocks that differ (``engine.write_delta``)."""
+        engine = self.engines[target_id]
+        d = e.delta
+        assert d is not None
+        try:
+            result: ChunkVersion | KvfsError = await self._workers.run(lambda: engine.write_delta(
+                e.chunk_id, e.version, d.base_version, d.length, d.chunk_crc, e.data, e.crc, e.extents or (),
+                aux=_requests_codec[0].encode(e.requests), force=e.force, block_crcs=e.block_crcs))
+        except KvfsError as exc:
+            result = exc
+        self._feed(target_id, self._persist_outcome(target_id, e, result))
+
+    @staticmethod
+    def _persist_outcome(target_id: int, e: PersistPending, result: ChunkVersion | KvfsError
+                         ) -> Persisted | PersistFailed:
+        if isinstance(result, KvfsError):  # e.g. ENOSPC: nothing was stored; the chain abandons the version
+            log.warning("target %s cannot store chunk %s v%s: %s", target_id, e.chunk_id, e.version, result.message)
+            return PersistFailed(e.chunk_id, e.version, result.errno or errno.EIO, result.message)
+        return Persisted(e.chunk_id, e.version, result.crc, result.length)
+
+    async def _commit_many(self, target_id: int, commits: list[Commit]) -> None:
+        """Commit the versions of a batch (not fsync'ed: README, "Durability"), one worker hop and one transaction."""
+        engine = self.engines[target_id]
+        results = await self._workers.run(
+            lambda: engine.commit_many([(c.chunk_id, c.version) for c in commits], durable=False))
+        for c, result in zip(commits, results):
+            if isinstance(result, KvfsError):
+                log.error("target %s chunk %s: %s", target_id, c.chunk_id, result.message)
 
     async def _send_chunk(self, engine: ChunkEngine, e: SendChunk) -> None:
         try:
@@ -485,16 +593,14 @@ class ChunkServer:
             sent = self._resync_sent[e.target]
             sent[0] += len(data)
             sent[1 if msg.delta is not None else 2] += 1
-        self._nursery.start_soon(self._send_peer, e.target, msg, data)
+        self._nursery.start_soon(self._send_peer, e.target, p.PEER, p.PeerEnvelope(msg), data)
 
-    async def _send_peer(self, target_id: int, msg: Msg, data: Any) -> None:
+    async def _send_peer(self, target_id: int, method: Method, body: msgspec.Struct, data: Any) -> None:
         """One-way message to another member; losses are repaired by the member's retransmissions."""
-        if data is None and getattr(msg, "data", None) is not None:
-            data, msg = msg.data, msgspec.structs.replace(msg, data=None)
         try:
             address = self._address_of_target(target_id)
             # lent: a member keeps an update's bytes until its successor acknowledges it, and checks their CRC
-            await self.rpc.send(address, p.PEER, p.PeerEnvelope(msg), data=data, timeout=5, lend=True)
+            await self.rpc.send(address, method, body, data=data, timeout=5, lend=True)
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 
@@ -508,43 +614,88 @@ class ChunkServer:
     # -------------------------------------------------------------------------------- handlers
 
     async def _on_write(self, req: WriteReq, data: memoryview | None, ctx: CallContext) -> WriteResp:
-        member = self._member_for_chain(req.chain_id)
-        key = (req.client_id, req.request_id)
-        waiter = self._waiters.setdefault(key, _Waiter())
-        waiter.count += 1
-        try:
-            self._clock(member)
-            self._routing_may_be_behind(member, req)
-            try:
-                effects = member.handle(msgspec.structs.replace(req, data=data if data is not None else b""))
-            except ProtocolError as exc:  # e.g. not the head any more: the client's routing is behind
-                raise StaleRouting(exc.message) from None
-            self._execute(member.target_id, effects)
-            await waiter.done.wait()
-        finally:
-            waiter.count -= 1
-            if not waiter.count:
-                self._waiters.pop(key, None)
-        reply = waiter.reply
-        assert reply is not None
+        (reply,) = await self._write_all([msgspec.structs.replace(req, data=data if data is not None else b"")])
         if reply.errno:
             raise from_wire(reply.errno, reply.message)
         return reply
 
+    async def _on_write_batch(self, batch: p.WriteBatch, data: memoryview | None, ctx: CallContext
+                              ) -> p.WriteBatchResult:
+        """Writes of several chunks in one request: fed to their members together, so that every replica stages
+        and commits them as batches and forwards them as one message (chunkserver/README.md, "Batched writes").
+        Each chunk is answered on its own."""
+        pieces = _split(data, batch.sizes)
+        if len(pieces) != len(batch.writes) or len({(w.chain_id, w.chunk_id) for w in batch.writes}) != len(pieces):
+            raise KvfsError("a write batch whose sizes do not match its data, or that names a chunk twice",
+                            errno.EINVAL)
+        return p.WriteBatchResult(await self._write_all(
+            [msgspec.structs.replace(w, data=piece) for w, piece in zip(batch.writes, pieces)]))
+
+    async def _write_all(self, reqs: list[WriteReq]) -> list[WriteResp]:
+        """Start client writes at their members, all before any waits, and wait for each one's reply; a write
+        this server cannot take (not a head of its chain here) is answered ESTALE at once."""
+        keys = [(r.client_id, r.request_id) for r in reqs]
+        waiters = []
+        for key in keys:
+            waiters.append(self._waiters.setdefault(key, _Waiter()))
+            waiters[-1].count += 1
+        try:
+            replies: list[WriteResp | None] = [None] * len(reqs)
+            effects: dict[int, list[Effect]] = {}
+            for i, req in enumerate(reqs):
+                try:
+                    member = self._member_for_chain(req.chain_id)
+                    self._clock(member)
+                    self._routing_may_be_behind(member, req)
+                    try:
+                        effects.setdefault(member.target_id, []).extend(member.handle(req))
+                    except ProtocolError as exc:  # e.g. not the head any more: the client's routing is behind
+                        raise StaleRouting(exc.message) from None
+                except KvfsError as exc:
+                    replies[i] = WriteResp(req.chain_id, req.chain_version, req.chunk_id, *keys[i],
+                                           exc.errno or errno.EIO, exc.message)
+            for target_id, target_effects in effects.items():
+                self._execute(target_id, target_effects)
+            for i, waiter in enumerate(waiters):
+                if replies[i] is None:
+                    await waiter.done.wait()
+                    replies[i] = waiter.reply
+        finally:
+            for key, waiter in zip(keys, waiters):
+                waiter.count -= 1
+                if not waiter.count:
+                    self._waiters.pop(key, None)
+        return replies  # type: ignore[return-value]  # every one answered
+
     async def _on_peer(self, envelope: p.PeerEnvelope, data: memoryview | None, ctx: CallContext) -> Empty:
         msg = envelope.msg
-        if isinstance(msg, UpdateReq):  # the member always sees an update's bytes attached
-            msg = msgspec.structs.replace(msg, data=data if data is not None else b"")
-        elif isinstance(msg, ResyncState):
+        if isinstance(msg, ResyncState):
             msg = _attach_block_crcs(msg, data if data is not None else b"")
-        target = self._chain_targets.get(msg.chain_id)
-        if target is None:
-            raise StaleRouting(f"no target of chain {msg.chain_id} here")
-        member = self.members[target]
-        self._clock(member)
-        self._routing_may_be_behind(member, msg)
-        self._feed(target, msg)
+        self._on_peer_msgs([msg], [data])
         return Empty()
+
+    async def _on_peer_batch(self, batch: p.PeerBatch, data: memoryview | None, ctx: CallContext) -> Empty:
+        pieces = _split(data, batch.sizes)
+        if len(pieces) != len(batch.msgs):
+            raise KvfsError("a peer batch whose sizes do not match its data", errno.EINVAL)
+        self._on_peer_msgs(batch.msgs, pieces)
+        return Empty()
+
+    def _on_peer_msgs(self, msgs: Sequence[Msg], data: Sequence[memoryview | bytes | None]) -> None:
+        """Feed messages from a peer to their members, each member's together."""
+        events: dict[int, list[Msg]] = {}
+        for msg, piece in zip(msgs, data):
+            if isinstance(msg, UpdateReq):  # the member always sees an update's bytes attached
+                msg = msgspec.structs.replace(msg, data=piece if piece is not None else b"")
+            target = self._chain_targets.get(msg.chain_id)
+            if target is None:
+                raise StaleRouting(f"no target of chain {msg.chain_id} here")
+            member = self.members[target]
+            self._clock(member)
+            self._routing_may_be_behind(member, msg)
+            events.setdefault(target, []).append(msg)
+        for target, target_events in events.items():
+            self._feed(target, *target_events)
 
     async def _on_version_query(self, q: VersionQuery, data: Any, ctx: CallContext) -> Any:
         member = self._member_for_chain(q.chain_id)

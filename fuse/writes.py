@@ -284,15 +284,15 @@ class WriteBack:
         await self._report(h, off + len(data))
 
     async def _write_runs(self, h: Handle, runs: DirtyRuns) -> None:
-        """Write gathered runs, the chunks side by side, then report the new end to meta."""
+        """Write gathered runs, every chunk's in one storage call (a chain round per chain for all of them: see
+        ``StorageClient.write_many``), then report the new end to meta."""
         st = h.state
-
-        async def chunk(starts: list[int], pieces: list[bytearray]) -> None:
-            async with self.write_limit:
-                await self.storage.write_runs(st.ino, st.layout, list(zip(starts, pieces)))
-
+        gathered = [run for starts, pieces in runs.chunks.values() for run in zip(starts, pieces)]
         try:
-            await parallel(chunk, list(runs.chunks.values()))
+            async with self.write_limit:
+                (error,) = await self.storage.write_many([(st.ino, st.layout, gathered)])
+            if error is not None:
+                raise error
         finally:
             self._wrote(st)
         await self._report(h, runs.bounds()[1])

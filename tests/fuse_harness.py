@@ -112,6 +112,21 @@ class LocalFileStorage:
         await trio.to_thread.run_sync(self._write_version, ChunkId(ino, index), layout.chunk_size, within,
                                       b"".join(data for _, data in runs), extents)
 
+    async def write_many(self, writes):
+        """Each entry's runs, a chunk's in one version, as StorageClient.write_many makes; an error per entry."""
+        results = []
+        for ino, layout, runs in writes:
+            by_chunk: dict[int, list] = {}
+            for offset, data in runs:
+                by_chunk.setdefault(offset // layout.chunk_size, []).append((offset, data))
+            try:
+                for chunk_runs in by_chunk.values():
+                    await self.write_runs(ino, layout, chunk_runs)
+                results.append(None)
+            except KvfsError as e:
+                results.append(e)
+        return results
+
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
         keep = -(-new_length // chunk_size)  # chunks [0, keep) may hold bytes below new_length
         self.engine.remove_from(ino, keep)

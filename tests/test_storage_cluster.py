@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from crc32c import crc32c
 from harness import TOKEN, Cluster, authenticated, tear_unsynced, write_config
 
 from kvfs.chunkserver import protocol as p
 from kvfs.chunkserver.client import StorageClient
-from kvfs.craq.messages import ChunkId, TargetState
+from kvfs.craq.messages import ChunkId, TargetState, WriteReq
 from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
 from kvfs.errors import KvfsError, StaleRouting
+from kvfs.fuse.writes import Handle, InodeState, WriteBack
 from kvfs.rpc import RpcClient
 from kvfs import wire
 from kvfs.wire import Empty, Limits
@@ -477,3 +479,171 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     for release in ctx._after_reply:
         release()
     engine.close()
+
+
+class CountingRpc:
+    """The client's RpcClient, counting calls by method name (what a batch costs in round trips)."""
+
+    def __init__(self, rpc: RpcClient) -> None:
+        self._rpc = rpc
+        self.calls: dict[str, int] = {}
+
+    async def call(self, address, method, *args, **kwargs):
+        self.calls[method.name] = self.calls.get(method.name, 0) + 1
+        return await self._rpc.call(address, method, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._rpc, name)
+
+
+async def chunk_versions(rpc, storage: StorageClient, chunk_id: ChunkId) -> set[int]:
+    routing = await storage.routing()
+    chain = routing.chains[0]
+    return {(await rpc.call(routing.addresses[t.node_id], p.CHUNK_STAT, p.ChunkStatQuery(t.target_id, chunk_id))).version
+            for t in chain.targets}
+
+
+async def test_write_many_of_several_files_is_one_batch_and_one_version_per_chunk(cluster, processes, tmp_path):
+    """write_many: scattered runs of several files (three chunks each) go to the chain's head as one
+    chunk.write_batch; each chunk moves by one version on every replica, and the bytes between the runs stay."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        counting = CountingRpc(rpc)
+        storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
+        chunk, rng = LAYOUT.chunk_size, random.Random(3)
+        models = {ino: bytearray(os.urandom(3 * chunk)) for ino in range(200, 205)}
+        for ino, model in models.items():
+            await storage.write(ino, LAYOUT, 0, model)  # version 1 of chunks 0..2
+        writes = []
+        for ino, model in models.items():
+            runs = [(start + rng.randrange(0, 100), os.urandom(rng.choice((1, 512, 4096))))
+                    for start in sorted(rng.sample(range(0, 3 * chunk - 8192, 8192), 30))]
+            for offset, data in runs:
+                model[offset:offset + len(data)] = data
+            writes.append((ino, LAYOUT, runs))
+        counting.calls.clear()
+        assert await storage.write_many(writes) == [None] * len(writes)
+        assert counting.calls == {"chunk.write_batch": 1}
+        for ino, model in models.items():
+            out = bytearray(3 * chunk)
+            await storage.read(ino, LAYOUT, 0, memoryview(out))
+            assert out == model
+            for index in range(3):
+                assert await chunk_versions(rpc, storage, ChunkId(ino, index)) == {2}
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert all(other == first for other in others)
+
+
+async def test_write_many_overlapping_runs_take_two_rounds_and_the_later_bytes_win(cluster):
+    """A chunk is never twice in one batch: runs that overlap an earlier run of the same chunk go in a later round."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        runs = [(4096, b"a" * 8192), (0, b"b" * 4096), (8192, b"c" * 100), (100_000, b"d" * 10)]
+        assert await storage.write_many([(300, LAYOUT, runs), (301, LAYOUT, runs[:2])]) == [None, None]
+        model = bytearray(100_010)
+        for offset, data in runs:
+            model[offset:offset + len(data)] = data
+        out = bytearray(len(model))
+        await storage.read(300, LAYOUT, 0, memoryview(out))
+        assert out == model
+        assert await chunk_versions(rpc, storage, ChunkId(300, 0)) == {2}
+
+
+async def test_a_refused_chunk_of_a_batch_fails_alone_and_changes_no_stored_byte(cluster, processes, tmp_path):
+    """A chunk.write_batch whose one chunk carries a wrong CRC: that chunk is refused, the others are written,
+    and the refused chunk keeps its bytes on every replica."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        storage = StorageClient(rpc, MgmtdClient(rpc, cluster.mgmtd))
+        chunk = LAYOUT.chunk_size
+        old = os.urandom(3 * chunk)
+        await storage.write(400, LAYOUT, 0, old)
+        routing = await storage.routing()
+        (chain,) = routing.chains
+        head = routing.addresses[next(t.node_id for t in chain.targets if t.target_id == chain.write_chain()[0])]
+        pieces = [os.urandom(4096) for _ in range(3)]
+        writes = [wire_write(chain, ChunkId(400, i), 7000 + i, 4096, piece, bad_crc=i == 1)
+                  for i, piece in enumerate(pieces)]
+        reply = await rpc.call(head, p.WRITE_BATCH, p.WriteBatch(writes, [4096] * 3), data=pieces)
+        assert [r.errno for r in reply.results] == [0, errno.EBADMSG, 0]
+        model = bytearray(old)
+        for i in (0, 2):
+            model[i * chunk + 4096:i * chunk + 8192] = pieces[i]
+        out = bytearray(3 * chunk)
+        await storage.read(400, LAYOUT, 0, memoryview(out))
+        assert out == model
+        assert await chunk_versions(rpc, storage, ChunkId(400, 1)) == {1}
+    processes.stop_all()
+    for replica in replica_contents(tmp_path, (1, 2, 3)):
+        assert b"".join(replica[ChunkId(400, i)] for i in range(3)) == model
+
+
+def wire_write(chain, chunk_id: ChunkId, request_id: int, offset: int, data: bytes, bad_crc: bool) -> WriteReq:
+    """A client's write of ``data`` to a chunk, as the storage client sends it (with a wrong CRC if ``bad_crc``)."""
+    crc = crc32c(data) ^ (1 if bad_crc else 0)
+    return WriteReq(chain.chain_id, chain.chain_version, chunk_id, 99, request_id, offset, crc)
+
+
+async def test_kill_chunkserver_during_batched_writes_then_resync(cluster, processes, tmp_path):
+    """Batches of scattered writes to several files go on while a replica dies and comes back; every acknowledged
+    batch reads back, and the replicas end equal."""
+    acked: list[tuple[int, int, bytes]] = []
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        stop = trio.Event()
+        rng = random.Random(11)
+
+        async def writer() -> None:
+            while not stop.is_set():
+                batch = [(ino, LAYOUT, [(rng.randrange(0, 4 * LAYOUT.chunk_size - 4096), os.urandom(4096))])
+                         for ino in range(500, 508) for _ in range(4)]
+                assert await storage.write_many(batch) == [None] * len(batch)
+                acked.extend((ino, off, data) for ino, _, ((off, data),) in batch)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.sleep(1.0)
+            cluster.kill_chunkserver(2)
+            await trio.sleep(2.5)
+            cluster.start_chunkserver(2, cluster.chunkservers[2][0])
+            await trio.sleep(1.0)
+            stop.set()
+        await wait_all_serving(mgmtd, 1, timeout=60)
+        model: dict[int, bytearray] = {ino: bytearray(4 * LAYOUT.chunk_size) for ino in range(500, 508)}
+        for ino, off, data in acked:
+            model[ino][off:off + len(data)] = data
+        for ino, expected in model.items():
+            out = bytearray(len(expected))
+            await storage.read(ino, LAYOUT, 0, memoryview(out))
+            assert out == expected, f"an acknowledged batched write of inode {ino} was lost"
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert first and all(other == first for other in others)
+
+
+async def test_the_mounts_flush_of_scattered_writes_is_one_batch_per_chain(cluster):
+    """The mount's write path (fuse/writes.py) flushes a file's gathered runs over all its chunks as one
+    write_many: one chunk.write_batch for the chain, no chunk.write."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        counting = CountingRpc(rpc)
+        storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
+        state = InodeState(600, LAYOUT, 0)
+        h = Handle(1, state, os.O_RDWR, None, None)  # type: ignore[arg-type]
+        state.handles.add(h)
+        wb = WriteBack(None, storage, write_buffer=8 << 20, flush_depth=4, write_parallel=8,
+                       changed=lambda *a: None, wrote=lambda st: None, reported=lambda ino: None)
+        model = bytearray(4 * LAYOUT.chunk_size)
+        rng = random.Random(2)
+        await storage.write(600, LAYOUT, 0, bytes(len(model)))  # and the chunk servers know their chain by now
+        counting.calls.clear()
+        await wb.write(h, 0, b"x")  # a first write starts the buffer; the scattered ones after it are gathered
+        model[0:1] = b"x"
+        for page in rng.sample(range(2, len(model) // 4096), 32):  # apart: an overlap sends the earlier ones out
+            off, data = page * 4096, os.urandom(4096)
+            await wb.write(h, off, data)
+            model[off:off + 4096] = data
+        await wb.flush_inode(state)
+        assert counting.calls.get("chunk.write_batch") == 1 and counting.calls.get("chunk.write") == 1  # the buffer
+        out = bytearray(len(model))
+        await storage.read(600, LAYOUT, 0, memoryview(out))
+        assert out == model
