@@ -30,7 +30,7 @@ from kvfs.craq.client import MgmtdClient
 from kvfs.errors import KvfsError
 from kvfs.meta.client import RemoteMeta
 from kvfs.meta.posix import NAME_MAX, ROOT_INO
-from kvfs.meta.types import Caller, Commit, Found, Layout
+from kvfs.meta.types import Caller, Commit, Found
 from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
 from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
@@ -145,16 +145,13 @@ class _Core:
         begun = {i: Commit(temps[i], items[i][0], o.attr.ino, o.session, len(items[i][1]))
                  for i, o in enumerate(opened) if o is not None}
         failed = set(begun)  # until committed; their temporary files and sessions go in the end
-
-        async def write(i: int, layout: Layout) -> None:
-            async with self.limit:
-                await self.storage.write(begun[i].ino, layout, 0, items[i][1])  # returns once every replica has it
-
         try:
             nonempty = [i for i in begun if begun[i].length]
-            layouts = [(i, opened[i].layout) for i in nonempty]  # type: ignore[union-attr]
-            for i, r in zip(nonempty, await self.batch(write, layouts)):
-                results[i] = r
+            # one chain round per chain for the small blocks, every replica holding them when it returns
+            writes = [(begun[i].ino, opened[i].layout, [(0, items[i][1])]) for i in nonempty]  # type: ignore[union-attr]
+            for i, error in zip(nonempty, await self.storage.write_many(writes)):
+                if error is not None:
+                    results[i] = -(error.errno or errno.EIO)
             ready = [i for i in begun if results[i] == 0]
             for i, r in zip(ready, await per_batch(self.meta.commit_puts, self.caller, d, [begun[i] for i in ready])):
                 if r == 0:

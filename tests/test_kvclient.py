@@ -290,13 +290,13 @@ def test_puts_are_lent_from_shared_memory(kv, monkeypatch) -> None:
     import mmap
 
     lent: list[object] = []
-    real_write = kv._core.storage.write
+    real_write_many = kv._core.storage.write_many
 
-    async def spying(ino, layout, offset, data):
-        lent.append(memoryview(data).obj)
-        return await real_write(ino, layout, offset, data)
+    async def spying(writes):
+        lent.extend(memoryview(data).obj for _, _, runs in writes for _, data in runs)
+        return await real_write_many(writes)
 
-    monkeypatch.setattr(kv._core.storage, "write", spying)
+    monkeypatch.setattr(kv._core.storage, "write_many", spying)
     values = [_payload(128 << 10, 1), _payload(300_001, 2), _payload(100, 3)]
     assert kv.batch_put(["a", "b", "c"], values) == [0, 0, 0]
     assert sorted(isinstance(obj, mmap.mmap) for obj in lent) == [False, True, True]
