@@ -46,11 +46,6 @@ log = logging.getLogger("kvfs.storage")
 #: Failures after which the same operation may succeed elsewhere or a little later.
 _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
-#: Chunk writes smaller than this go to a chain's head together, one ``chunk.write_batch`` per chain; larger ones
-#: (sequential writers' whole or quarter chunks) one ``chunk.write`` each, pipelined across the chain as before.
-BATCH_BELOW = 256 << 10
-BATCH_BYTES = 8 << 20  # data of one chunk.write_batch at most (a frame carries up to 80 MiB, a body up to 1 MiB)
-BATCH_WRITES = 256  # chunk writes in one chunk.write_batch at most
 
 
 def _transient(exc: KvfsError) -> bool:
@@ -273,17 +268,7 @@ class StorageClient:
                     by_chain.setdefault(chain.chain_id, (chain, []))[1].append(u)
                 async with trio.open_nursery() as nursery:
                     for chain, mine in by_chain.values():
-                        small = [u for u in mine if u.size < BATCH_BELOW]
-                        alone = [u for u in mine if u.size >= BATCH_BELOW] + (small if len(small) == 1 else [])
-                        for u in alone:
-                            nursery.start_soon(self._bounded, self._send_writes, chain, [u])
-                        batch: list[_ChunkWrite] = []
-                        for u in small if len(small) > 1 else []:
-                            if batch and (len(batch) == BATCH_WRITES or sum(b.size for b in batch) + u.size > BATCH_BYTES):
-                                nursery.start_soon(self._bounded, self._send_writes, chain, batch)
-                                batch = []
-                            batch.append(u)
-                        if batch:
+                        for batch in p.batches(mine, lambda u: u.size):
                             nursery.start_soon(self._bounded, self._send_writes, chain, batch)
                 todo = [u for u in todo if u.error is not None and _transient(u.error)]
                 if todo:

@@ -6,6 +6,9 @@ frame's data section, and the structs here carry only their lengths and checksum
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import msgspec
 
 from kvfs.craq.messages import ChunkId, ResyncPull, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
@@ -194,3 +197,32 @@ FLUSH = Method(310, "chunk.flush", FlushTargets, Empty, idempotent=True)
 LOCATE_MANY = Method(312, "chunk.locate_many", LocateChunks, Located, idempotent=True)
 WRITE_BATCH = Method(313, "chunk.write_batch", WriteBatch, WriteBatchResult)
 PEER_BATCH = Method(314, "chunk.peer_batch", PeerBatch, Empty)
+
+
+#: Chunk updates smaller than this travel together (``chunk.write_batch`` to a head, ``chunk.peer_batch`` between
+#: members); larger ones (sequential writers' whole or quarter chunks) one a message, pipelined across the chain.
+BATCH_BELOW = 256 << 10
+BATCH_BYTES = 8 << 20  # data of one batch at most (a frame carries up to 80 MiB, a body up to 1 MiB)
+BATCH_WRITES = 256  # updates in one batch at most
+
+T = TypeVar("T")
+
+
+def batches(items: Sequence[T], size: Callable[[T], int]) -> list[list[T]]:
+    """``items`` grouped into messages: each large one alone, the small ones together within a frame's bounds.
+    A member that resends every pending update of a chain at once (its successor changed) must not build one
+    frame of them all: past ``CHUNK_LIMITS`` the receiver refuses it, and would again at every retransmit."""
+    small = [item for item in items if size(item) < BATCH_BELOW]
+    if len(small) < 2:
+        return [[item] for item in items]
+    out = [[item] for item in items if size(item) >= BATCH_BELOW]
+    batch: list[T] = []
+    held = 0
+    for item in small:
+        if batch and (len(batch) == BATCH_WRITES or held + size(item) > BATCH_BYTES):
+            out.append(batch)
+            batch, held = [], 0
+        batch.append(item)
+        held += size(item)
+    out.append(batch)
+    return out

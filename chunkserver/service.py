@@ -188,6 +188,10 @@ def _peer_message(msgs: list[UpdateReq | UpdateAck]) -> tuple[Method, msgspec.St
     return p.PEER_BATCH, p.PeerBatch(bare, [len(d) for d in data]), [d for d in data if len(d)]
 
 
+def _data_size(msg: UpdateReq | UpdateAck) -> int:
+    return len(msg.data) if isinstance(msg, UpdateReq) and msg.data is not None else 0
+
+
 def _chunk_of(effect: Effect) -> ChunkId | None:
     """The chunk whose data an effect touches (what runs in that chunk's order), if any."""
     if isinstance(effect, (PersistPending, Commit, Abort)):
@@ -488,7 +492,8 @@ class ChunkServer:
                 self._nursery.start_soon(self._report, effect.msg)
         close_groups()
         for target, msgs in sends.items():
-            self._nursery.start_soon(self._send_peer, target, *_peer_message(msgs))
+            for batch in p.batches(msgs, _data_size):
+                self._nursery.start_soon(self._send_peer, target, *_peer_message(batch))
 
     def _in_chunks_order(self, target_id: int, chunk_ids: list[ChunkId], job: Callable[[], Awaitable[Any]]) -> None:
         """Run ``job`` once every earlier job of each of these chunks is done, and their later jobs after it: a

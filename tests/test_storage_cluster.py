@@ -60,6 +60,21 @@ async def start_cluster(processes, tmp_path, **config) -> Cluster:
     return c
 
 
+
+def test_updates_are_batched_within_a_frames_bounds() -> None:
+    """Small updates travel together, large ones alone, and no batch outgrows a frame: a member that resends
+    every pending update of a chain at once (the tail was killed under a copy of 4 MiB chunks) sent them all in
+    one frame past CHUNK_LIMITS, which the successor refused at every retransmit, and the copy hung."""
+    mib = 1 << 20
+    assert p.batches([4 * mib] * 40, int) == [[4 * mib]] * 40
+    assert p.batches([4096], int) == [[4096]]
+    small = [64 << 10] * 300
+    groups = p.batches(small + [mib], int)
+    assert [mib] in groups and sorted(x for g in groups for x in g) == sorted(small + [mib])
+    assert all(len(g) <= p.BATCH_WRITES and sum(g) <= p.BATCH_BYTES for g in groups)
+    assert max(sum(g) for g in groups) <= p.CHUNK_LIMITS.max_data
+
+
 @pytest.fixture
 async def cluster(processes, tmp_path):
     return await start_cluster(processes, tmp_path)
