@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import mmap
 import errno
 import os
 import secrets
@@ -37,7 +36,6 @@ from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
 from kvfs.kvclient.local import ChunkReader, ObjectRead
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
-from kvfs.transport import shm
 from kvfs.transport.direct import DirectRegion
 from kvfs.transport.errors import UnregisteredMemory
 
@@ -283,7 +281,6 @@ class KVClient:
         if not config.meta or not config.mgmtd:
             raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
         self._config = config
-        self._shared_memory = config.resolved_shared_memory()
         self._parallel = parallel
         self._policy = EvictionPolicy(capacity_bytes, ttl, orphan_grace, evict_interval)
         self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
@@ -471,23 +468,10 @@ class KVClient:
         if capacity is not None and len(buf) > capacity:
             raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
         if isinstance(buf, DeviceSpan):
-            host = self._staging(len(buf)) or memoryview(bytearray(len(buf)))
+            host = memoryview(bytearray(len(buf)))
             self._gpu_backend().to_host(host, buf)
             return host
-        staged = self._staging(len(buf))
-        if staged is None:
-            return buf
-        staged[:] = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        return staged
-
-    def _staging(self, n: int) -> memoryview | None:
-        """A buffer of ``n`` bytes in this process's shared memory, or None where puts go by TCP anyway. Chunk
-        servers on this host copy lent bytes straight out of it (:mod:`kvfs.transport.shm`), so one copy here, in
-        the caller's thread, spares the loop thread and every chain member the loopback TCP stack."""
-        if n < shm.SHM_MIN_BYTES or not self._shared_memory:
-            return None
-        view = shm.SHARED.view(n)
-        return view if isinstance(view.obj, mmap.mmap) else None  # else: no arena, or it is full
+        return buf
 
     def _out(self, out: Any) -> memoryview | DeviceSpan:
         """An output buffer; for GPU memory the GPU backend is set up first, so a host without one raises

@@ -283,21 +283,3 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     assert count(kv.batch_put, many, [b"v"] * len(many))[1] == ["meta.begin_puts"] * 2 + ["meta.commit_puts"] * 2
     assert count(kv.batch_remove, keys + ["nope"]) == ([0] * 40 + [-errno.ENOENT], ["meta.batch_unlink"])
 
-
-def test_puts_are_lent_from_shared_memory(kv, monkeypatch) -> None:
-    """Values are copied once into the client's shared-memory arena, so chunk servers on this host take them
-    without the loopback TCP stack (kvfs.transport.shm); small ones are not worth it and go as they are."""
-    import mmap
-
-    lent: list[object] = []
-    real_write_many = kv._core.storage.write_many
-
-    async def spying(writes):
-        lent.extend(memoryview(data).obj for _, _, runs in writes for _, data in runs)
-        return await real_write_many(writes)
-
-    monkeypatch.setattr(kv._core.storage, "write_many", spying)
-    values = [_payload(128 << 10, 1), _payload(300_001, 2), _payload(100, 3)]
-    assert kv.batch_put(["a", "b", "c"], values) == [0, 0, 0]
-    assert sorted(isinstance(obj, mmap.mmap) for obj in lent) == [False, True, True]
-    assert [kv.get(k) for k in "abc"] == values
