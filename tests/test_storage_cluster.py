@@ -42,21 +42,22 @@ async def wait_all_serving(mgmtd: MgmtdClient, chains: int, timeout: float = 20.
     raise AssertionError(f"targets not all serving after {timeout}s: {status}")
 
 
-async def start_cluster(processes, tmp_path, **config) -> Cluster:
+async def start_cluster(processes, tmp_path, nodes: int = 3, **config) -> Cluster:
+    """mgmtd and ``nodes`` chunk servers of one target each, in chains of three (``nodes // 3`` of them)."""
     c = Cluster(processes, tmp_path, write_config(tmp_path / "kvfs.toml", **config))
     c.start_mgmtd()
-    for node in (1, 2, 3):
+    for node in range(1, nodes + 1):
         c.start_chunkserver(node)
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         mgmtd = MgmtdClient(rpc, c.mgmtd)
         with trio.fail_after(20):
             while True:  # chunk servers register asynchronously
                 status = await mgmtd.call(STATUS, Empty())
-                if len(status.nodes) == 3:
+                if len(status.nodes) == nodes:
                     break
                 await trio.sleep(0.1)
         await mgmtd.call(CREATE_CHAINS, CreateChains(replicas=3))
-        await wait_all_serving(mgmtd, 1)
+        await wait_all_serving(mgmtd, nodes // 3)
     return c
 
 
@@ -547,6 +548,48 @@ async def test_write_many_of_several_files_is_one_batch_and_one_version_per_chun
     processes.stop_all()
     first, *others = replica_contents(tmp_path, (1, 2, 3))
     assert all(other == first for other in others)
+
+
+async def test_write_many_across_two_chains_is_one_batch_per_chain(processes, tmp_path):
+    """A batch whose chunks lie on two chains goes to each head as one chunk.write_batch; every chunk moves by one
+    version on its own chain, the bytes between the runs stay, and each chain's replicas end equal (six servers,
+    two chains of three)."""
+    cluster = await start_cluster(processes, tmp_path, nodes=6)
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        counting = CountingRpc(rpc)
+        storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
+        chunk, rng = LAYOUT.chunk_size, random.Random(5)
+        models = {ino: bytearray(os.urandom(4 * chunk)) for ino in range(700, 704)}
+        for ino, model in models.items():
+            await storage.write(ino, LAYOUT, 0, model)  # version 1 of chunks 0..3
+        chains = {ino: [await storage._chain(LAYOUT, ino, index) for index in range(4)] for ino in models}
+        assert len({c.chain_id for cs in chains.values() for c in cs}) == 2
+        writes = []
+        for ino, model in models.items():
+            runs = [(start, os.urandom(rng.choice((1, 700, 4096))))
+                    for start in sorted(rng.sample(range(0, 4 * chunk - 8192, 8192), 24))]
+            for offset, data in runs:
+                model[offset:offset + len(data)] = data
+            writes.append((ino, LAYOUT, runs))
+        counting.calls.clear()
+        assert await storage.write_many(writes) == [None] * len(writes)
+        assert counting.calls == {"chunk.write_batch": 2}
+        for ino, model in models.items():
+            out = bytearray(len(model))
+            await storage.read(ino, LAYOUT, 0, memoryview(out))
+            assert out == model
+        routing = await storage.routing()
+        for ino in models:
+            for index, chain in enumerate(chains[ino]):
+                versions = {(await rpc.call(routing.addresses[t.node_id], p.CHUNK_STAT,
+                                            p.ChunkStatQuery(t.target_id, ChunkId(ino, index)))).version
+                            for t in chain.targets}
+                assert versions == {2}
+        members = [[t.node_id for t in c.targets] for c in routing.chains]
+    processes.stop_all()
+    for nodes in members:
+        first, *others = replica_contents(tmp_path, nodes)
+        assert first and all(other == first for other in others)
 
 
 async def test_write_many_overlapping_runs_take_two_rounds_and_the_later_bytes_win(cluster):
