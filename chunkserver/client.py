@@ -48,6 +48,16 @@ _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
 
 
+def _may_be_left_out(routing: RoutingSnapshot, address: str) -> bool:
+    """Whether a whole-cluster call may go on without the chunk server at ``address``: mgmtd has taken every
+    target of it offline, and each of their chains still has a serving target, whose resync of the returning
+    target drops what it missed (craq/member.py, rule 10)."""
+    nodes = {node for node, a in routing.addresses.items() if a == address}
+    chains = [c for c in routing.chains if any(t.node_id in nodes for t in c.targets)]
+    return all(t.state is TargetState.OFFLINE for c in chains for t in c.targets if t.node_id in nodes) and all(
+        any(t.state is TargetState.SERVING for t in c.targets) for c in chains)
+
+
 def _transient(exc: KvfsError) -> bool:
     """Whether the same operation may succeed elsewhere or a little later."""
     return isinstance(exc, _TRANSIENT) or exc.errno in _RETRY_ERRNOS
@@ -414,23 +424,45 @@ class StorageClient:
 
     # ------------------------------------------------------------------------- whole-file operations
 
-    async def _all_nodes(self, method: Any, request: Any) -> list[Any]:
-        """Call every node that routing knows; a node that cannot be reached fails the whole call."""
-        routing = await self.routing()
-        results: list[Any] = []
+    async def _all_nodes(self, method: Any, request: Any, *, offline_may_miss: bool = False) -> list[Any]:
+        """Call every chunk server; one that cannot be reached fails the call. ``offline_may_miss``: except those
+        that :func:`_may_be_left_out` (their return undoes a removal they missed: craq/member.py, rule 10), and
+        one that cannot be reached while mgmtd still counts it is tried again, routing refreshed, until mgmtd
+        takes it out (within its heartbeat timeout) or ``retry_for`` runs out."""
+        results: dict[str, Any] = {}
 
-        async def one(address: str) -> None:
-            results.append(await self.rpc.call(address, method, request, timeout=self._call_timeout))
+        async def attempt(n: int) -> None:
+            routing = await self.routing()
+            unreachable: list[tuple[str, KvfsError]] = []
 
-        async with one_error(), trio.open_nursery() as nursery:
-            for address in sorted(set(routing.addresses.values())):
-                nursery.start_soon(one, address)
-        return results
+            async def one(address: str) -> None:
+                try:
+                    results[address] = await self.rpc.call(address, method, request, timeout=self._call_timeout)
+                except KvfsError as exc:
+                    if not (offline_may_miss and _transient(exc)):
+                        raise
+                    unreachable.append((address, exc))
+
+            async with one_error(), trio.open_nursery() as nursery:
+                for address in sorted(set(routing.addresses.values()) - results.keys()):
+                    nursery.start_soon(one, address)
+            missing = [exc for address, exc in unreachable if not _may_be_left_out(routing, address)]
+            if missing:
+                raise missing[0]
+
+        if offline_may_miss:
+            await self._retrying(f"{method.name} on every chunk server", attempt)
+        else:
+            await attempt(0)
+        return list(results.values())
 
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Zero the cut part of the new last chunk and remove the chunks past it.
 
-        Keeping bytes past a file's length zero is what lets a later extension read zeros without any work.
+        Keeping bytes past a file's length zero is what lets a later extension read zeros without any work. The
+        removal needs every chunk server (EHOSTUNREACH while one is down): a chunk re-created after it starts
+        its versions again at 1, and a recovering member (craq/member.py, rule 9) could pull a returning
+        server's older copy over it, or bring back one the truncation dropped, until removals leave tombstones.
         """
         if new_length >= old_length:
             return
@@ -472,12 +504,14 @@ class StorageClient:
                     self.rpc.call, address, p.FLUSH, p.FlushTargets(sorted(set(targets))), timeout=self._call_timeout))
 
     async def remove_files(self, inodes: list[int]) -> None:
-        await self._all_nodes(p.REMOVE_FILES, p.RemoveFiles(inodes))
+        """Remove every chunk of these (deleted) inodes. A chunk server that mgmtd took out of its chains is left
+        out, and its resync drops them when it returns: meta's collector does not wait for it."""
+        await self._all_nodes(p.REMOVE_FILES, p.RemoveFiles(inodes), offline_may_miss=True)
 
     async def capacity(self) -> tuple[int, int]:
         """(total, free) bytes a user can store: raw space divided by the replication factor."""
         routing = await self.routing()
-        spaces = await self._all_nodes(p.SPACE, Empty())
+        spaces = await self._all_nodes(p.SPACE, Empty(), offline_may_miss=True)  # what the servers up hold
         replicas = max((len(c.targets) for c in routing.chains), default=1)
         return sum(s.capacity for s in spaces) // replicas, sum(s.free for s in spaces) // replicas
 

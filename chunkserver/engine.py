@@ -138,7 +138,7 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -1253,6 +1253,22 @@ class ChunkEngine:
         index, so a chunk written meanwhile past ``first`` is never dropped from disk while it stays in memory."""
         with self._lock:
             indexes = sorted(x for x in self._chunks.get(inode, {}) if x >= first)
+        return self._remove_indexes(inode, indexes)
+
+    def remove_chunks(self, chunk_ids: Iterable[ChunkId]) -> list[ChunkId]:
+        """Delete these chunks (a resync drops what the chain removed while this target was away: craq/member.py,
+        rule 10); returns the ones that were there."""
+        by_inode: dict[int, set[int]] = {}
+        for cid in chunk_ids:
+            by_inode.setdefault(cid.inode, set()).add(cid.index)
+        removed: list[ChunkId] = []
+        for inode, wanted in sorted(by_inode.items()):
+            with self._lock:
+                indexes = sorted(x for x in self._chunks.get(inode, {}) if x in wanted)
+            removed += self._remove_indexes(inode, indexes)
+        return removed
+
+    def _remove_indexes(self, inode: int, indexes: list[int]) -> list[ChunkId]:
         removed: list[ChunkId] = []
         for start in range(0, len(indexes), rows.SQL_BATCH):
             part = indexes[start : start + rows.SQL_BATCH]

@@ -11,7 +11,10 @@ from typing import TypeVar
 
 import msgspec
 
-from kvfs.craq.messages import ChunkId, ResyncPull, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery, VersionReply, WriteReq, WriteResp
+from kvfs.craq.messages import (
+    ChunkId, ResyncDrop, ResyncDropped, ResyncPull, ResyncQuery, ResyncState, UpdateAck, UpdateReq, VersionQuery,
+    VersionReply, WriteReq, WriteResp,
+)
 from kvfs.wire import Empty, Limits, Method
 
 #: Largest chunk a layout may ask for (DESIGN.md: 64 KiB .. 64 MiB).
@@ -26,7 +29,7 @@ CHUNK_LIMITS = Limits(max_body=1 << 20, max_data=80 << 20)
 class PeerEnvelope(msgspec.Struct, array_like=True):
     """One replication message between members of a chain; one-way, answered by a later message."""
 
-    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState | ResyncPull
+    msg: UpdateReq | UpdateAck | ResyncQuery | ResyncState | ResyncPull | ResyncDrop | ResyncDropped
 
 
 class PeerBatch(msgspec.Struct, array_like=True):

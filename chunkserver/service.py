@@ -36,6 +36,7 @@ from kvfs.craq.member import (
     ChunkState,
     Commit,
     Configure,
+    DropChunks,
     Effect,
     Persisted,
     PersistFailed,
@@ -474,6 +475,9 @@ class ChunkServer:
             elif isinstance(effect, Commit):
                 commits.append(effect)
                 grouped.add(effect.chunk_id)
+            elif isinstance(effect, DropChunks):
+                self._in_chunks_order(target_id, list(effect.chunk_ids),
+                                      functools.partial(self._drop_chunks, engine, effect))
             elif isinstance(effect, Abort):
                 self._in_chunk_order(
                     target_id, effect.chunk_id,
@@ -608,6 +612,13 @@ class ChunkServer:
             await self.rpc.send(address, method, body, data=data, timeout=5, lend=True)
         except KvfsError as exc:
             log.debug("message to target %s lost: %s", target_id, exc.message)
+
+    async def _drop_chunks(self, engine: ChunkEngine, effect: DropChunks) -> None:
+        """Rule 10 of craq/member.py: the chunks leave the disk before the predecessor hears they are gone."""
+        if effect.chunk_ids:
+            removed = await trio.to_thread.run_sync(engine.remove_chunks, effect.chunk_ids)
+            log.info("resync dropped %d chunks that the chain removed while this target was away", len(removed))
+        await self._send_peer(effect.target, p.PEER, p.PeerEnvelope(effect.ack), None)
 
     async def _report(self, msg: ResyncDone | ChecksumReport) -> None:
         method = RESYNC_DONE if isinstance(msg, ResyncDone) else CHECKSUM_REPORT

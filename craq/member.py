@@ -43,6 +43,12 @@ Rules
    newer than anything it holds, commits each once persisted, and then reports :class:`ResyncDone`. While the
    fenced member has served nothing, every replica's committed versions of a chunk are prefixes of one lineage,
    so the newest one is the right one and equal versions hold equal bytes.
+10. Removal (a deleted file's chunks, a truncation's tail) bypasses the chain: each chunk server removes them
+   itself, and one whose targets are offline misses it. So a resync drops what the syncing successor listed
+   and its predecessor does not hold at all (:class:`ResyncDrop`): a committed chunk anywhere was committed by
+   the tail, so a serving member lacks it only once it was removed. The successor drops a chunk only at the
+   listed version with nothing pending (a write since has made it anew), and the resync is done only once every
+   drop is confirmed (:class:`ResyncDropped`), so a target never serves a chunk its chain removed.
 
 Theory of operation
 -------------------
@@ -97,6 +103,8 @@ from kvfs.craq.messages import (
     ChunkSummary,
     Msg,
     ResyncDone,
+    ResyncDrop,
+    ResyncDropped,
     ResyncPull,
     ResyncQuery,
     ResyncState,
@@ -150,6 +158,7 @@ class Tick:
 
 Event = Union[
     Configure, Persisted, PersistFailed, Tick, WriteReq, UpdateReq, UpdateAck, ResyncQuery, ResyncState, ResyncPull,
+    ResyncDrop, ResyncDropped,
 ]
 
 # --------------------------------------------------------------------------------------------- effects
@@ -218,6 +227,16 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class DropChunks:
+    """Remove these chunks from the engine (rule 10), then send ``ack`` to member ``target``: the predecessor
+    counts them dropped only once they are gone from the disk."""
+
+    chunk_ids: tuple[ChunkId, ...]
+    target: int
+    ack: ResyncDropped
+
+
+@dataclass(frozen=True)
 class ReplyClient:
     msg: WriteResp
 
@@ -227,7 +246,7 @@ class ReportToMgmtd:
     msg: ResyncDone | ChecksumReport
 
 
-Effect = Union[Send, SendChunk, PersistPending, Commit, Abort, ReplyClient, ReportToMgmtd]
+Effect = Union[Send, SendChunk, PersistPending, Commit, Abort, DropChunks, ReplyClient, ReportToMgmtd]
 
 # ------------------------------------------------------------------------------------- read decisions
 
@@ -343,6 +362,9 @@ class _ResyncJob:
     #: the successor's copies as it listed them, so a copy may carry only the blocks that differ; dropped for a
     #: chunk whose delta it refused, which then goes whole
     theirs: dict[ChunkId, ChunkSummary] = field(default_factory=dict)
+    #: chunks the successor listed (at these committed versions) that this member does not hold: removed while it
+    #: was away, to be dropped there (rule 10); also in ``outstanding`` until confirmed
+    drops: dict[ChunkId, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------- the member
@@ -525,6 +547,10 @@ class ChainMember:
                 return self._resync_state(event)
             if isinstance(event, ResyncPull):
                 return self._resync_pull(event)
+            if isinstance(event, ResyncDrop):
+                return self._resync_drop(event)
+            if isinstance(event, ResyncDropped):
+                return self._resync_dropped(event)
             if isinstance(event, UpdateAck) and event.chunk_id not in self._chunks:
                 return self._dispatch(_Chunk(event.chunk_id), event)  # late, of a forgotten chunk: keep it forgotten
             if isinstance(event, (WriteReq, UpdateReq, UpdateAck)):
@@ -796,11 +822,45 @@ class ChainMember:
             job.total = len(job.outstanding)
             return self._pull(job)
         job.theirs = {x.chunk_id: x for x in s.chunks}
-        job.outstanding = set()
+        job.drops = {x.chunk_id: x.version for x in s.chunks if x.version and x.chunk_id not in self._chunks}
+        job.outstanding = set(job.drops)
         differing = [cid for cid, c in self._chunks.items()
                      if c.pending is not None or _listed(job.theirs.get(cid)) != (c.committed, c.crc)]
-        job.total = len(differing)
-        return self._resync_send(job, differing)
+        job.total = len(differing) + len(job.drops)
+        return self._ask_drops(job) + self._resync_send(job, differing)
+
+    def _ask_drops(self, job: _ResyncJob) -> list[Effect]:
+        """Rule 10: tell the syncing successor to drop what it listed and the chain removed."""
+        if not job.drops:
+            return []
+        job.sent_at = self.now
+        chunks = tuple(sorted(job.drops.items()))
+        return [Send(job.target, ResyncDrop(self.chain_id, self.chain_version, self.target_id, chunks))]
+
+    def _resync_drop(self, d: ResyncDrop) -> list[Effect]:
+        """At the syncing successor: drop each chunk still as we held it before syncing (the version we listed,
+        nothing pending, not written by the live chain since), then confirm all of them: one the chain wrote anew
+        meanwhile stays, whatever its version number (a re-created chunk starts again at 1)."""
+        if self.state is not TargetState.SYNCING or d.from_target != self._predecessor():
+            raise ProtocolError(f"resync drop from {d.from_target} at {self.state} target {self.target_id}")
+        gone: list[ChunkId] = []
+        for cid, version in d.chunks:
+            c = self._chunks.get(cid)
+            if c is not None and not c.fresh and c.committed == version and c.pending is None:
+                del self._chunks[cid]
+                gone.append(cid)
+        ack = ResyncDropped(self.chain_id, self.chain_version, self.target_id, tuple(cid for cid, _ in d.chunks))
+        return [DropChunks(tuple(gone), d.from_target, ack)]
+
+    def _resync_dropped(self, r: ResyncDropped) -> list[Effect]:
+        job = self._resync
+        if job is None or job.outstanding is None or r.from_target != job.target:
+            return []  # late, of a job that ended
+        confirmed = [cid for cid in r.chunks if job.drops.pop(cid, None) is not None]
+        if not job.outstanding.intersection(confirmed):
+            return []  # a duplicate answer, or for chunks a live write's ack already confirmed
+        job.outstanding.difference_update(confirmed)
+        return self._resync_maybe_done(job)
 
     def _pull_needed(self, cid: ChunkId, version: int) -> bool:
         """Rule 9: whether the successor's committed ``version`` is newer than what we hold. Our pending version
@@ -900,7 +960,8 @@ class ChainMember:
             elif job.pull:
                 effects += self._pull(job)
             else:  # resend what is unconfirmed; ResyncDone again if mgmtd has not acted on it yet
-                effects += self._resync_send(job, sorted(job.outstanding))
+                effects += self._ask_drops(job)
+                effects += self._resync_send(job, sorted(job.outstanding - job.drops.keys()))
         return effects
 
     # ------------------------------------------------------------------------------------------ helpers

@@ -219,6 +219,23 @@ class ResyncPull(Msg, frozen=True, tag=True):
     chunks: tuple[ChunkId, ...]
 
 
+class ResyncDrop(Msg, frozen=True, tag=True):
+    """Predecessor -> syncing successor: drop these chunks, which you listed at these committed versions and the
+    live chain no longer holds (their file was deleted or truncated while you were away: removals bypass the
+    chain). Answered by :class:`ResyncDropped`."""
+
+    from_target: int
+    chunks: tuple[tuple[ChunkId, int], ...]
+
+
+class ResyncDropped(Msg, frozen=True, tag=True):
+    """Syncing successor -> predecessor: these chunks of a :class:`ResyncDrop` are gone (or were written anew by
+    the live chain since: then the chain's version stands)."""
+
+    from_target: int
+    chunks: tuple[ChunkId, ...]
+
+
 class ResyncDone(Msg, frozen=True, tag=True):
     """Predecessor -> mgmtd: the syncing target holds every committed chunk; make it serving. From a recovering
     member: it holds every chunk the syncing target had newer (the target syncs again once the chain serves)."""

@@ -24,7 +24,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import msgspec
 from crc32c import crc32c
@@ -35,8 +35,8 @@ from kvfs.errors import NotCommitted
 from kvfs.craq.cluster import ClusterManager, ClusterState, Heartbeat
 from kvfs.craq.linearizable import Op, check_register
 from kvfs.craq.member import (
-    AskTail, ChainMember, ChunkState, Commit, Configure, Effect, PersistFailed, PersistPending, Persisted, ReplyClient,
-    ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
+    AskTail, ChainMember, ChunkState, Commit, Configure, DropChunks, Effect, PersistFailed, PersistPending, Persisted,
+    ReplyClient, ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
     AckStatus, BlockDelta, ChecksumReport, ChunkId, ChunkSummary, ReadReq, ReadResp, ResyncDone, ResyncPull,
@@ -70,6 +70,12 @@ class MemEngine:
 
     def lose_unflushed(self) -> None:
         self.committed, self.pending = dict(self.durable[0]), dict(self.durable[1])
+
+    def remove(self, chunk_ids: Iterable[ChunkId]) -> None:
+        """Removal is one durable transaction in the real engine: gone from what a power loss goes back to too."""
+        for cid in chunk_ids:
+            for versions in (self.committed, self.pending, *self.durable):
+                versions.pop(cid, None)
 
     def unflushed(self) -> list[tuple[ChunkId, _Version]]:
         """Versions a power loss now would lose."""
@@ -440,6 +446,9 @@ class Sim:
             elif isinstance(e, Commit):
                 engine.commit(e.chunk_id, e.version)
                 self.committed_max[e.chunk_id] = max(self.committed_max.get(e.chunk_id, 0), e.version)
+            elif isinstance(e, DropChunks):
+                engine.remove(e.chunk_ids)
+                self.to_target(e.target, lambda n, m, msg=e.ack: self.execute(n, m.target_id, m.handle(msg)), node)
             elif isinstance(e, ReplyClient):
                 client = self.clients[e.msg.client_id - 1]
                 self.send(lambda msg=e.msg, client=client: client.on_write_resp(msg), src=node)

@@ -11,12 +11,12 @@ from crc32c import crc32c
 from kvfs.errors import ProtocolError
 
 from kvfs.craq.member import (
-    Abort, AskTail, ChainMember, PersistFailed, ChunkState, Commit, Configure, PersistPending, Persisted, ReplyClient, ReportToMgmtd,
-    Retry, Send, SendChunk, ServeVersion, Tick,
+    Abort, AskTail, ChainMember, PersistFailed, ChunkState, Commit, Configure, DropChunks, PersistPending, Persisted,
+    ReplyClient, ReportToMgmtd, Retry, Send, SendChunk, ServeVersion, Tick,
 )
 from kvfs.craq.messages import (
-    AckStatus, BlockDelta, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncPull, ResyncQuery, ResyncState,
-    TargetState,
+    AckStatus, BlockDelta, ChainConfig, ChainTarget, ChecksumReport, ChunkId, ResyncDone, ResyncDrop, ResyncDropped,
+    ResyncPull, ResyncQuery, ResyncState, TargetState,
     UpdateAck, UpdateReq, VersionQuery, VersionReply, WireMessage, WriteReq, ChunkSummary,
 )
 from kvfs.craq.sim import MemEngine, _Version
@@ -71,6 +71,10 @@ class Chain:
             elif isinstance(e, SendChunk):
                 self.outbox.append((e.target, msgspec.structs.replace(e.msg, data=engine.read(e.msg.chunk_id, e.msg.version))))
                 self.sent.append((target, e.msg))
+            elif isinstance(e, DropChunks):
+                engine.remove(e.chunk_ids)
+                self.outbox.append((e.target, e.ack))
+                self.sent.append((target, e.ack))
             elif isinstance(e, ReplyClient):
                 self.replies.append(e.msg)
             elif isinstance(e, ReportToMgmtd):
@@ -957,6 +961,84 @@ def test_a_resync_does_not_wait_for_chunks_the_engine_removed_meanwhile():
     assert pred.handle(UpdateAck(1, 2, CID, 2, 1, AckStatus.OK, 1, 0, 1, True)) == []  # a late ack is ignored
     assert pred.forget([other, ChunkId(9, 0)]) == [ReportToMgmtd(ResyncDone(1, 2, 2))]
     assert pred.handle(ResyncState(1, 2, 2, ())) == []  # and nothing is left to copy
+
+
+def _away_while_removed(chain: Chain, removed: ChunkId) -> None:
+    """Target 2 goes offline; the chain's file loses ``removed`` (the engine's removal, then ``forget``), which
+    target 2 misses; then it returns syncing (chain version 3)."""
+    chain.reconfigure(config(2, (1, S), (2, O)), 1)
+    chain.engines[1].remove([removed])
+    assert chain.members[1].forget([removed]) == []
+    chain.reconfigure(config(3, (1, S), (2, Y)))
+
+
+def test_a_resync_drops_what_the_chain_removed_while_the_target_was_away():
+    """Rule 10: removals bypass the chain, so a target that was away still holds a truncated file's tail; its
+    resync drops it before the target may serve, and is done only once the drop is confirmed."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    kept = ChunkId(8, 0)
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.run(1, chain.members[1].handle(WriteReq(1, 1, kept, 9, 2, 0, crc32c(b"b"), b"b")))
+    chain.deliver_all()
+    _away_while_removed(chain, CID)
+    chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))  # the query; the listing is now in the outbox
+    (drop,) = chain.run(1, chain.members[1].handle(chain.outbox.pop(0)[1]))
+    assert drop == Send(2, ResyncDrop(1, 3, 1, ((CID, 1),)))  # kept is in step: nothing to copy
+    assert chain.members[1].resync_progress() == (2, 1, 1) and not chain.mgmtd
+    (gone,) = chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))
+    assert gone == DropChunks((CID,), 1, ResyncDropped(1, 3, 2, (CID,)))
+    assert CID not in chain.engines[2].committed and chain.members[2].chunk_versions(CID) == (0, None)
+    chain.deliver_all()
+    assert chain.mgmtd == [ResyncDone(1, 3, 2)]
+    assert chain.engines[2].committed[kept].data == b"b"
+
+
+def test_a_lost_drop_is_asked_again_and_a_repeated_one_is_confirmed_again():
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"a")))
+    chain.deliver_all()
+    chain.members[1].handle(Tick(5.0))
+    _away_while_removed(chain, CID)
+    chain.deliver_all()
+    assert chain.mgmtd == [ResyncDone(1, 3, 2)]
+    drop = ResyncDrop(1, 3, 1, ((CID, 1),))
+    assert (1, drop) in chain.sent
+    (again,) = chain.members[2].handle(drop)  # a retransmit after the chunk went: nothing to drop, confirmed again
+    assert again == DropChunks((), 1, ResyncDropped(1, 3, 2, (CID,)))
+    pred = ChainMember(1, 1)  # a predecessor whose drop was lost asks again when it is due
+    pred.handle(Configure(config(3, (1, S), (2, Y)), 100.0))
+    pred.handle(Tick(6.0))
+    assert pred.handle(ResyncState(1, 3, 2, (ChunkSummary(CID, 1, 0),))) == [Send(2, drop)]
+    assert pred.handle(Tick(6.01)) == []
+    assert pred.handle(Tick(6.06))[0] == Send(2, drop)
+    assert pred.handle(ResyncDropped(1, 3, 2, (CID,))) == [ReportToMgmtd(ResyncDone(1, 3, 2))]
+
+
+def test_a_drop_spares_a_chunk_the_live_chain_wrote_anew_meanwhile():
+    """The file grew again after the truncation: the chain re-created the chunk at version 1, the number the
+    returning target listed for its old copy. The live chain's write reached it first, so the late drop leaves
+    it (and confirms it)."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"old")))
+    chain.deliver_all()
+    _away_while_removed(chain, CID)
+    chain.run(2, chain.members[2].handle(chain.outbox.pop(0)[1]))
+    (drop,) = chain.run(1, chain.members[1].handle(chain.outbox.pop(0)[1]))
+    chain.outbox.clear()  # the drop is delayed
+    chain.run(1, chain.members[1].handle(WriteReq(1, 3, CID, 9, 5, 0, crc32c(b"new"), b"new")))
+    chain.deliver_all()  # the write goes whole to the syncing target (rule 3a) and commits everywhere
+    assert chain.engines[2].committed[CID].data == b"new" and chain.replies[-1].errno == 0
+    (spared,) = chain.run(2, chain.members[2].handle(drop.msg))
+    assert spared == DropChunks((), 1, ResyncDropped(1, 3, 2, (CID,)))
+    chain.deliver_all()
+    assert chain.engines[2].committed[CID].data == b"new" and chain.mgmtd == [ResyncDone(1, 3, 2)]
+
+
+def test_a_drop_from_a_stranger_is_a_protocol_error():
+    member = ChainMember(2, 1)
+    member.handle(Configure(config(3, (1, S), (2, Y), (3, S)), 100.0))
+    with pytest.raises(ProtocolError):
+        member.handle(ResyncDrop(1, 3, 3, ((CID, 1),)))
 
 
 def test_forgetting_a_chunk_fails_its_waiting_writes_and_aborts_the_late_persist():

@@ -519,28 +519,36 @@ async def chunk_versions(rpc, storage: StorageClient, chunk_id: ChunkId) -> set[
             for t in chain.targets}
 
 
+async def scattered_batch(storage: StorageClient, inodes: range, chunks: int, runs: int, seed: int
+                          ) -> tuple[dict[int, bytearray], list]:
+    """Files of ``chunks`` chunks written whole (version 1 of each chunk), then ``runs`` small writes at random
+    places of each, 8 KiB apart, applied to the files' models: the models and write_many's entries."""
+    chunk, rng = LAYOUT.chunk_size, random.Random(seed)
+    models = {ino: bytearray(os.urandom(chunks * chunk)) for ino in inodes}
+    for ino, model in models.items():
+        await storage.write(ino, LAYOUT, 0, model)
+    writes = []
+    for ino, model in models.items():
+        scattered = [(start + rng.randrange(0, 100), os.urandom(rng.choice((1, 512, 4096))))
+                     for start in sorted(rng.sample(range(0, chunks * chunk - 8192, 8192), runs))]
+        for offset, data in scattered:
+            model[offset:offset + len(data)] = data
+        writes.append((ino, LAYOUT, scattered))
+    return models, writes
+
+
 async def test_write_many_of_several_files_is_one_batch_and_one_version_per_chunk(cluster, processes, tmp_path):
     """write_many: scattered runs of several files (three chunks each) go to the chain's head as one
     chunk.write_batch; each chunk moves by one version on every replica, and the bytes between the runs stay."""
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         counting = CountingRpc(rpc)
         storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
-        chunk, rng = LAYOUT.chunk_size, random.Random(3)
-        models = {ino: bytearray(os.urandom(3 * chunk)) for ino in range(200, 205)}
-        for ino, model in models.items():
-            await storage.write(ino, LAYOUT, 0, model)  # version 1 of chunks 0..2
-        writes = []
-        for ino, model in models.items():
-            runs = [(start + rng.randrange(0, 100), os.urandom(rng.choice((1, 512, 4096))))
-                    for start in sorted(rng.sample(range(0, 3 * chunk - 8192, 8192), 30))]
-            for offset, data in runs:
-                model[offset:offset + len(data)] = data
-            writes.append((ino, LAYOUT, runs))
+        models, writes = await scattered_batch(storage, range(200, 205), chunks=3, runs=30, seed=3)
         counting.calls.clear()
         assert await storage.write_many(writes) == [None] * len(writes)
         assert counting.calls == {"chunk.write_batch": 1}
         for ino, model in models.items():
-            out = bytearray(3 * chunk)
+            out = bytearray(len(model))
             await storage.read(ino, LAYOUT, 0, memoryview(out))
             assert out == model
             for index in range(3):
@@ -558,19 +566,9 @@ async def test_write_many_across_two_chains_is_one_batch_per_chain(processes, tm
     async with RpcClient(TOKEN, connect_timeout=1) as rpc:
         counting = CountingRpc(rpc)
         storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
-        chunk, rng = LAYOUT.chunk_size, random.Random(5)
-        models = {ino: bytearray(os.urandom(4 * chunk)) for ino in range(700, 704)}
-        for ino, model in models.items():
-            await storage.write(ino, LAYOUT, 0, model)  # version 1 of chunks 0..3
+        models, writes = await scattered_batch(storage, range(700, 704), chunks=4, runs=24, seed=5)
         chains = {ino: [await storage._chain(LAYOUT, ino, index) for index in range(4)] for ino in models}
         assert len({c.chain_id for cs in chains.values() for c in cs}) == 2
-        writes = []
-        for ino, model in models.items():
-            runs = [(start, os.urandom(rng.choice((1, 700, 4096))))
-                    for start in sorted(rng.sample(range(0, 4 * chunk - 8192, 8192), 24))]
-            for offset, data in runs:
-                model[offset:offset + len(data)] = data
-            writes.append((ino, LAYOUT, runs))
         counting.calls.clear()
         assert await storage.write_many(writes) == [None] * len(writes)
         assert counting.calls == {"chunk.write_batch": 2}
@@ -590,6 +588,35 @@ async def test_write_many_across_two_chains_is_one_batch_per_chain(processes, tm
     for nodes in members:
         first, *others = replica_contents(tmp_path, nodes)
         assert first and all(other == first for other in others)
+
+
+async def test_removing_deleted_files_while_a_replica_is_down_goes_on_and_reaches_it_when_it_returns(
+        cluster, processes, tmp_path):
+    """meta's collector needs every chunk server no more: with one killed, removing a deleted file's chunks goes on
+    once mgmtd has taken it out, and the server's resync drops the chunks it missed when it returns (craq/member.py,
+    rule 10); another file's chunks stay."""
+    async with RpcClient(TOKEN, connect_timeout=1) as rpc:
+        mgmtd = MgmtdClient(rpc, cluster.mgmtd)
+        storage = StorageClient(rpc, mgmtd, retry_for=60)
+        chunk = LAYOUT.chunk_size
+        kept, deleted = os.urandom(2 * chunk), os.urandom(3 * chunk)
+        await storage.write(900, LAYOUT, 0, kept)
+        await storage.write(901, LAYOUT, 0, deleted)
+        cluster.kill_chunkserver(2)
+        with trio.fail_after(45):
+            await storage.remove_files([901])
+        total, _ = await storage.capacity()  # counts the servers that are up
+        assert total > 0
+        cluster.start_chunkserver(2, cluster.chunkservers[2][0])
+        await wait_all_serving(mgmtd, 1, timeout=60)
+        out = bytearray(len(kept))
+        await storage.read(900, LAYOUT, 0, memoryview(out))
+        assert out == kept
+    processes.stop_all()
+    first, *others = replica_contents(tmp_path, (1, 2, 3))
+    assert {c for c in first if c.inode in (900, 901)} == {ChunkId(900, 0), ChunkId(900, 1)}
+    assert all(other == first for other in others)
+    assert "resync dropped 3 chunks" in processes.log("cs2")
 
 
 async def test_write_many_overlapping_runs_take_two_rounds_and_the_later_bytes_win(cluster):
