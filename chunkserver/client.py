@@ -48,6 +48,12 @@ _TRANSIENT = (ServiceUnavailable, ConnectionLost, RpcTimeout, StaleRouting)
 _RETRY_ERRNOS = {errno.EAGAIN, errno.ESTALE, errno.EBADMSG, errno.ETIMEDOUT, errno.ECONNRESET, errno.EHOSTUNREACH}
 
 
+#: Target states of a chunk server that is up, so that a removal reaches it.
+_UP = (TargetState.SERVING, TargetState.SYNCING, TargetState.WAITING)
+#: Chunks a truncation empties per chain round while a chunk server is down (StorageClient.truncate).
+EMPTIED_AT_ONCE = 4096
+
+
 def _may_be_left_out(routing: RoutingSnapshot, address: str) -> bool:
     """Whether a whole-cluster call may go on without the chunk server at ``address``: mgmtd has taken every
     target of it offline, and each of their chains still has a serving target, whose resync of the returning
@@ -75,6 +81,7 @@ class _ChunkWrite:
     entries: set[int]
     request_id: int = 0
     error: KvfsError | None = None
+    full_replace: bool = False  # the one run, at 0, is the whole new version (a truncation's emptied chunk)
 
     @property
     def size(self) -> int:
@@ -86,7 +93,7 @@ class _ChunkWrite:
             crc = crc32c(data, crc)
         extents = [(at, len(data)) for at, data in self.runs] if len(self.runs) > 1 else None
         return WriteReq(chain.chain_id, chain.chain_version, ChunkId(self.ino, self.index), client_id,
-                        self.request_id, self.runs[0][0], crc, extents=extents)
+                        self.request_id, self.runs[0][0], crc, extents=extents, full_replace=self.full_replace)
 
 
 def _plan(writes: Sequence[tuple[int, LayoutLike, list[tuple[int, Buffer]]]]) -> list[list[_ChunkWrite]]:
@@ -459,10 +466,14 @@ class StorageClient:
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Zero the cut part of the new last chunk and remove the chunks past it.
 
-        Keeping bytes past a file's length zero is what lets a later extension read zeros without any work. The
-        removal needs every chunk server (EHOSTUNREACH while one is down): a chunk re-created after it starts
-        its versions again at 1, and a recovering member (craq/member.py, rule 9) could pull a returning
-        server's older copy over it, or bring back one the truncation dropped, until removals leave tombstones.
+        Keeping bytes past a file's length zero is what lets a later extension read zeros without any work.
+        With every target of the cluster up (and every server answering a first call), the chunks past the end
+        are removed on every server. Otherwise (mgmtd has taken one out, or one cannot be reached: tried again
+        until mgmtd does) each is replaced by an empty version through its chain: a removal it missed, a returning
+        target would hold on to, and a chunk removed on some servers and written again starts its versions at 1,
+        so a recovering member (craq/member.py, rule 9) could take a returning target's older copy for newer. The
+        empty versions' rows stay until the file is deleted. A server that dies between the first call and the
+        removal leaves the removal made on the others only (then the emptying goes on from there).
         """
         if new_length >= old_length:
             return
@@ -472,8 +483,26 @@ class StorageClient:
             end = min(old_length, new_length - cut + size)
             await self.write(ino, layout, new_length, bytes(end - new_length))
         first_gone = -(-new_length // size)
-        await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
+
+        async def attempt(n: int) -> None:
+            if any(t.state not in _UP for c in (await self.routing()).chains for t in c.targets):
+                await self._empty_chunks(ino, layout, range(first_gone, -(-old_length // size)))
+            else:
+                await self._all_nodes(p.SPACE, Empty())  # all answer first: a removal only some made is the hazard
+                await self._all_nodes(p.REMOVE, p.RemoveChunks(ino, first_gone))
+
+        await self._retrying(f"truncation of inode {ino}", attempt)
         self._unflushed.update(c.chain_id for c in (await self.routing()).chains)
+
+    async def _empty_chunks(self, ino: int, layout: LayoutLike, indexes: range) -> None:
+        """Replace each of these chunks of ``ino`` with an empty version, through its chain."""
+        for start in range(0, len(indexes), EMPTIED_AT_ONCE):
+            updates = [_ChunkWrite(ino, layout, index, [(0, memoryview(b""))], {0}, full_replace=True)
+                       for index in indexes[start : start + EMPTIED_AT_ONCE]]
+            await self._write_round(updates)
+            failed = next((u.error for u in updates if u.error is not None), None)
+            if failed is not None:
+                raise failed
 
     async def flush(self, ino: int) -> None:
         """Make this client's writes and truncations of ``ino`` durable on every replica (the file's fsync):

@@ -85,7 +85,7 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
-from errno import EIO, ENOENT
+from errno import EINVAL, EIO, ENOENT
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Union
@@ -572,6 +572,9 @@ class ChainMember:
         blocks = _checked_blocks(w)
         if blocks is None:
             return [self._reply(w.chunk_id, (w.client_id, w.request_id), ChecksumMismatch("write data CRC"))]
+        if w.full_replace and (w.offset or w.extents is not None):
+            return [self._reply(w.chunk_id, (w.client_id, w.request_id),
+                                KvfsError("a full replace is one run at offset 0", EINVAL))]
         key = (w.client_id, w.request_id)
         if self._fenced():
             return [self._reply(w.chunk_id, key, NotCommitted(f"chain {self.chain_id} is recovering; retry"))]
@@ -590,7 +593,8 @@ class ChainMember:
     def _start(self, c: _Chunk, w: WriteReq, blocks: list[int]) -> list[Effect]:
         u = UpdateReq(
             self.chain_id, self.chain_version, w.chunk_id, self.target_id, c.committed + 1, w.offset, w.crc,
-            client_id=w.client_id, request_id=w.request_id, data=w.data, extents=w.extents,
+            full_replace=w.full_replace, client_id=w.client_id, request_id=w.request_id, data=w.data,
+            extents=w.extents,
         )
         effects = self._accept(c, u, blocks)
         c.pending.waiters.append((w.client_id, w.request_id))

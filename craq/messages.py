@@ -75,7 +75,9 @@ class WriteReq(Msg, frozen=True, tag=True):
 
     ``extents``: a write of several runs of the chunk (scattered small writes a client gathered), as
     ``(offset, length)`` pairs, sorted and apart, whose bytes ``data`` holds one after another; they become one
-    version, so they cost the chain one round. None: ``data`` is one run at ``offset``."""
+    version, so they cost the chain one round. None: ``data`` is one run at ``offset``. ``full_replace``: ``data``
+    (at offset 0, one run) is the whole new version, however long the chunk was: a truncation empties the chunks
+    past a file's new end this way while a chunk server is down, so their versions go on rather than start again."""
 
     chunk_id: ChunkId
     client_id: int
@@ -84,6 +86,7 @@ class WriteReq(Msg, frozen=True, tag=True):
     crc: int
     data: bytes | None = None
     extents: list[tuple[int, int]] | None = None
+    full_replace: bool = False
 
 
 class WriteResp(Msg, frozen=True, tag=True):

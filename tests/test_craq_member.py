@@ -1041,6 +1041,21 @@ def test_a_drop_from_a_stranger_is_a_protocol_error():
         member.handle(ResyncDrop(1, 3, 3, ((CID, 1),)))
 
 
+def test_a_full_replace_write_empties_the_chunk_on_every_replica_and_its_version_goes_on():
+    """A truncation empties a chunk past a file's new end through the chain while a chunk server is down, so its
+    version goes on (a removal would start it again at 1 on the servers that made it)."""
+    chain = Chain(config(1, (1, S), (2, S)))
+    chain.run(1, chain.members[1].handle(write(b"old bytes")))
+    chain.deliver_all()
+    chain.run(1, chain.members[1].handle(WriteReq(1, 1, CID, 9, 2, 0, crc32c(b""), b"", full_replace=True)))
+    chain.deliver_all()
+    assert [r.errno for r in chain.replies] == [0, 0]
+    assert [m.chunk_versions(CID) for m in chain.members.values()] == [(2, None)] * 2
+    assert all(e.committed[CID].data == b"" for e in chain.engines.values())
+    (refused,) = chain.members[1].handle(WriteReq(1, 1, CID, 9, 3, 10, crc32c(b"x"), b"x", full_replace=True))
+    assert refused.msg.errno == errno.EINVAL
+
+
 def test_forgetting_a_chunk_fails_its_waiting_writes_and_aborts_the_late_persist():
     head = ChainMember(1, 1)
     head.handle(Configure(config(1, (1, S), (2, S)), 100.0))

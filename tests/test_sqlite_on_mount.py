@@ -26,7 +26,7 @@ from cluster_fixtures import NEEDS_FUSE, started, wait_until  # noqa: E402
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = NEEDS_FUSE
-JOURNAL_MODES = ["delete", "wal"]
+JOURNAL_MODES = ["delete", "wal", "truncate"]
 
 WORKLOAD = r"""
 import os, random, signal, sqlite3, sys, zlib
