@@ -332,7 +332,12 @@ def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int)
     if old.slot < 0 or class_for(new_len) != old.cls:
         return None
     nblocks = _nblocks(new_len)
-    fresh = [b for b in range(nblocks) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
+    # only a block a run touches, or one at or past the shorter length's end, can be other than _OLD: ask about
+    # those alone (a 4 KiB write into a 4 MiB chunk asks about one block, not 64)
+    candidates = set(range(min(old.length, new_len) // BLOCK, nblocks))
+    for start, _, length in runs:
+        candidates.update(range(start // BLOCK, min(nblocks, (start + length - 1) // BLOCK + 1)))
+    fresh = [b for b in sorted(candidates) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
     shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
     return fresh if shared + len(fresh) < min(MAX_OVERRIDES, nblocks // 4) else None
 

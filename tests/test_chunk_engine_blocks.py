@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from crc32c import crc32c
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -171,3 +171,26 @@ def test_random_small_writes_keep_a_chunk_within_a_quarter_of_its_size_and_remov
         assert {p.name: p.stat().st_size for p in (tmp_path / "t" / "data").iterdir()} == files
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
         assert_slots_accounted(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fresh_blocks_are_the_blocks_that_are_not_shared(data) -> None:
+    """_fresh_blocks looks only at the blocks the runs touch and those at the versions' ends: the same answer as
+    asking about every block."""
+    from kvfs.chunkserver.engine import _OLD, _block_kind, _fresh_blocks, _nblocks, _Version
+    from kvfs.chunkserver.slots import class_for
+
+    old_len = data.draw(st.integers(1, 4 * BLOCK + 100))
+    starts = sorted(data.draw(st.sets(st.integers(0, 5 * BLOCK), min_size=1, max_size=6)))
+    runs, at = [], 0
+    for start, nxt in zip(starts, starts[1:] + [6 * BLOCK]):
+        length = data.draw(st.integers(1, nxt - start))
+        runs.append((start, at, length))
+        at += length
+    new_len = max(old_len, max(s + n for s, _, n in runs))
+    old = _Version(1, old_len, 0, [0] * _nblocks(old_len), class_for(old_len), 0, None, b"")
+    everything = [b for b in range(_nblocks(new_len)) if _block_kind(runs, old_len, new_len, b)[0] != _OLD]
+    fresh = _fresh_blocks(old, runs, new_len)
+    if fresh is not None:
+        assert fresh == everything
