@@ -537,6 +537,18 @@ async def scattered_batch(storage: StorageClient, inodes: range, chunks: int, ru
     return models, writes
 
 
+async def write_and_read_back(storage: StorageClient, counting: CountingRpc, models: dict[int, bytearray],
+                              writes: list, batches: int) -> None:
+    """write_many of ``writes`` as ``batches`` chunk.write_batch calls and nothing else; every file reads back."""
+    counting.calls.clear()
+    assert await storage.write_many(writes) == [None] * len(writes)
+    assert counting.calls == {"chunk.write_batch": batches}
+    for ino, model in models.items():
+        out = bytearray(len(model))
+        await storage.read(ino, LAYOUT, 0, memoryview(out))
+        assert out == model
+
+
 async def test_write_many_of_several_files_is_one_batch_and_one_version_per_chunk(cluster, processes, tmp_path):
     """write_many: scattered runs of several files (three chunks each) go to the chain's head as one
     chunk.write_batch; each chunk moves by one version on every replica, and the bytes between the runs stay."""
@@ -544,13 +556,8 @@ async def test_write_many_of_several_files_is_one_batch_and_one_version_per_chun
         counting = CountingRpc(rpc)
         storage = StorageClient(counting, MgmtdClient(rpc, cluster.mgmtd))  # type: ignore[arg-type]
         models, writes = await scattered_batch(storage, range(200, 205), chunks=3, runs=30, seed=3)
-        counting.calls.clear()
-        assert await storage.write_many(writes) == [None] * len(writes)
-        assert counting.calls == {"chunk.write_batch": 1}
-        for ino, model in models.items():
-            out = bytearray(len(model))
-            await storage.read(ino, LAYOUT, 0, memoryview(out))
-            assert out == model
+        await write_and_read_back(storage, counting, models, writes, batches=1)
+        for ino in models:
             for index in range(3):
                 assert await chunk_versions(rpc, storage, ChunkId(ino, index)) == {2}
     processes.stop_all()
@@ -569,13 +576,7 @@ async def test_write_many_across_two_chains_is_one_batch_per_chain(processes, tm
         models, writes = await scattered_batch(storage, range(700, 704), chunks=4, runs=24, seed=5)
         chains = {ino: [await storage._chain(LAYOUT, ino, index) for index in range(4)] for ino in models}
         assert len({c.chain_id for cs in chains.values() for c in cs}) == 2
-        counting.calls.clear()
-        assert await storage.write_many(writes) == [None] * len(writes)
-        assert counting.calls == {"chunk.write_batch": 2}
-        for ino, model in models.items():
-            out = bytearray(len(model))
-            await storage.read(ino, LAYOUT, 0, memoryview(out))
-            assert out == model
+        await write_and_read_back(storage, counting, models, writes, batches=2)
         routing = await storage.routing()
         for ino in models:
             for index, chain in enumerate(chains[ino]):
