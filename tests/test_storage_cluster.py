@@ -76,6 +76,30 @@ def test_updates_are_batched_within_a_frames_bounds() -> None:
     assert max(sum(g) for g in groups) <= p.CHUNK_LIMITS.max_data
 
 
+def test_a_whole_cluster_call_leaves_out_only_servers_taken_out_of_chains_that_still_serve() -> None:
+    """_may_be_left_out: every target of the server offline, and each of their chains with a serving target left
+    (whose resync of the server on its return drops what it missed); one address may host several nodes."""
+    from kvfs.chunkserver.client import _may_be_left_out
+    from kvfs.craq.cluster import RoutingSnapshot
+    from kvfs.craq.messages import ChainConfig, ChainTarget
+
+    S, O, L = TargetState.SERVING, TargetState.OFFLINE, TargetState.LASTSRV
+
+    def routing(*chains: tuple[tuple[int, TargetState], ...], addresses: dict[int, str] | None = None):
+        return RoutingSnapshot(tuple(ChainConfig(i, 1, tuple(ChainTarget(n * 10 + i, n, st) for n, st in targets))
+                                     for i, targets in enumerate(chains, start=1)),
+                               addresses or {1: "a:1", 2: "a:2", 3: "a:3"})
+
+    assert _may_be_left_out(routing(((1, S), (2, S), (3, O))), "a:3")
+    assert not _may_be_left_out(routing(((1, S), (2, S), (3, S))), "a:3")  # still counted: wait for mgmtd
+    assert not _may_be_left_out(routing(((1, S), (2, S), (3, O)), ((3, S), (1, S), (2, S))), "a:3")  # serves one
+    assert not _may_be_left_out(routing(((3, L), (1, O), (2, O))), "a:3")  # the last serving one: it must hear
+    assert not _may_be_left_out(routing(((1, O), (2, O), (3, O))), "a:3")  # nobody left to resync it
+    shared = {1: "a:1", 2: "a:2", 3: "a:2"}  # two nodes at one address: both must be out
+    assert not _may_be_left_out(routing(((1, S), (2, O), (3, S)), addresses=shared), "a:2")
+    assert _may_be_left_out(routing(((1, S), (2, O), (3, O)), addresses=shared), "a:2")
+
+
 @pytest.fixture
 async def cluster(processes, tmp_path):
     return await start_cluster(processes, tmp_path)
