@@ -354,7 +354,8 @@ def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Se
                         errno.EINVAL)
 
 
-def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int] | None = None) -> list[int]:
+def _checked_block_crcs(cid: ChunkId, version: int, data: memoryview, crc: int, blocks: list[int] | None = None
+                        ) -> list[int]:
     """CRCs of ``data``'s BLOCK-sized pieces, after checking that together they make ``crc``: one pass over the
     data serves both the check and the stored block CRCs. ``blocks``: those CRCs as the caller computed them
     (the chain member, which checks every write it accepts), so the data is not read again; only their count
@@ -362,9 +363,9 @@ def _checked_block_crcs(what: str, data: memoryview, crc: int, blocks: list[int]
     if blocks is None:
         blocks = block_crcs(data)
     elif len(blocks) != _nblocks(len(data)):
-        raise KvfsError(f"{what}: {len(blocks)} block CRCs for {len(data)} bytes", errno.EINVAL)
+        raise KvfsError(f"chunk {cid} v{version}: {len(blocks)} block CRCs for {len(data)} bytes", errno.EINVAL)
     if fold_crc(blocks, len(data)) != crc:
-        raise ChecksumMismatch(f"{what}: data does not match its CRC32C")
+        raise ChecksumMismatch(f"chunk {cid} v{version}: data does not match its CRC32C")
     return blocks
 
 
@@ -789,7 +790,7 @@ class ChunkEngine:
     def _prepare_write(self, w: PendingWrite, chunk_size: int) -> ChunkVersion | _Staged:
         data = memoryview(w.data).cast("B")
         cid, version, offset, extents = w.chunk_id, w.version, w.offset, w.extents
-        data_blocks = _checked_block_crcs(f"chunk {cid} v{version}", data, w.crc, w.block_crcs)
+        data_blocks = _checked_block_crcs(cid, version, data, w.crc, w.block_crcs)
         if offset < 0 or offset + len(data) > chunk_size or (w.full_replace and offset):
             raise KvfsError(
                 f"chunk {cid}: write [{offset}, {offset + len(data)}) outside chunk of {chunk_size}",
@@ -1306,7 +1307,7 @@ class ChunkEngine:
     ) -> ChunkVersion:
         """Install ``data`` as committed ``version`` whatever is there now (resync and repair)."""
         data = memoryview(data).cast("B")
-        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc)
+        data_blocks = _checked_block_crcs(chunk_id, version, data, crc)
         self._stage(chunk_id, version, 0, data, data_blocks, crc, full_replace=True, force=True)
         return self.commit(chunk_id, version)
 
@@ -1323,7 +1324,7 @@ class ChunkEngine:
         ``force``: ``version`` need not be newer (a repair at the committed version). ``crc``, ``block_crcs``
         and ``aux`` as in :meth:`write_pending`; EINVAL where a run does not cover whole blocks."""
         data = memoryview(data).cast("B")
-        data_blocks = _checked_block_crcs(f"chunk {chunk_id} v{version}", data, crc, block_crcs)
+        data_blocks = _checked_block_crcs(chunk_id, version, data, crc, block_crcs)
         runs = tuple((start, n) for start, n in extents)
         ends = [start + n for start, n in runs]
         if not (0 <= length and sum(n for _, n in runs) == len(data)
