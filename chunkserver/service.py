@@ -614,9 +614,14 @@ class ChunkServer:
             log.debug("message to target %s lost: %s", target_id, exc.message)
 
     async def _drop_chunks(self, engine: ChunkEngine, effect: DropChunks) -> None:
-        """Rule 10 of craq/member.py: the chunks leave the disk before the predecessor hears they are gone."""
-        if effect.chunk_ids:
+        """Rule 10 of craq/member.py: the chunks leave the disk before the predecessor hears they are gone. If the
+        engine fails, no answer: the predecessor asks again and the retry removes them."""
+        try:
             removed = await trio.to_thread.run_sync(engine.remove_chunks, effect.chunk_ids)
+        except (KvfsError, OSError) as exc:
+            log.error("resync could not drop %d chunks: %s", len(effect.chunk_ids), exc)
+            return
+        if removed:
             log.info("resync dropped %d chunks that the chain removed while this target was away", len(removed))
         await self._send_peer(effect.target, p.PEER, p.PeerEnvelope(effect.ack), None)
 

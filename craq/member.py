@@ -844,14 +844,15 @@ class ChainMember:
     def _resync_drop(self, d: ResyncDrop) -> list[Effect]:
         """At the syncing successor: drop each chunk still as we held it before syncing (the version we listed,
         nothing pending, not written by the live chain since), then confirm all of them: one the chain wrote anew
-        meanwhile stays, whatever its version number (a re-created chunk starts again at 1)."""
+        meanwhile stays, whatever its version number (a re-created chunk starts again at 1). One we no longer
+        hold is dropped from the engine again: a retransmit after the engine failed to remove it finishes the job."""
         if self.state is not TargetState.SYNCING or d.from_target != self._predecessor():
             raise ProtocolError(f"resync drop from {d.from_target} at {self.state} target {self.target_id}")
         gone: list[ChunkId] = []
         for cid, version in d.chunks:
             c = self._chunks.get(cid)
-            if c is not None and not c.fresh and c.committed == version and c.pending is None:
-                del self._chunks[cid]
+            if c is None or (not c.fresh and c.committed == version and c.pending is None):
+                self._chunks.pop(cid, None)
                 gone.append(cid)
         ack = ResyncDropped(self.chain_id, self.chain_version, self.target_id, tuple(cid for cid, _ in d.chunks))
         return [DropChunks(tuple(gone), d.from_target, ack)]

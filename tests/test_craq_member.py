@@ -1003,8 +1003,9 @@ def test_a_lost_drop_is_asked_again_and_a_repeated_one_is_confirmed_again():
     assert chain.mgmtd == [ResyncDone(1, 3, 2)]
     drop = ResyncDrop(1, 3, 1, ((CID, 1),))
     assert (1, drop) in chain.sent
-    (again,) = chain.members[2].handle(drop)  # a retransmit after the chunk went: nothing to drop, confirmed again
-    assert again == DropChunks((), 1, ResyncDropped(1, 3, 2, (CID,)))
+    (again,) = chain.members[2].handle(drop)  # a retransmit after the chunk went: the engine is asked again
+    assert again == DropChunks((CID,), 1, ResyncDropped(1, 3, 2, (CID,)))
+    assert chain.members[2].chunk_versions(CID) == (0, None)
     pred = ChainMember(1, 1)  # a predecessor whose drop was lost asks again when it is due
     pred.handle(Configure(config(3, (1, S), (2, Y)), 100.0))
     pred.handle(Tick(6.0))
