@@ -290,9 +290,7 @@ class WriteBack:
         gathered = [run for starts, pieces in runs.chunks.values() for run in zip(starts, pieces)]
         try:
             async with self.write_limit:
-                (error,) = await self.storage.write_many([(st.ino, st.layout, gathered)])
-            if error is not None:
-                raise error
+                await self.storage.write_runs(st.ino, st.layout, gathered)
         finally:
             self._wrote(st)
         await self._report(h, runs.bounds()[1])

@@ -9,10 +9,8 @@ they got from meta.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
-from kvfs.errors import KvfsError
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
@@ -34,13 +32,9 @@ class FileStorage(Protocol):
         """Write ``data`` at ``offset``; returns once every replica of every touched chunk committed it."""
 
     async def write_runs(self, ino: int, layout: LayoutLike, runs: list[tuple[int, Buffer]]) -> None:
-        """Write ``(offset, bytes)`` runs, sorted and apart, all in one chunk, as one update of it: scattered
-        small writes cost one chain round instead of one each, and the bytes between them stay."""
-
-    async def write_many(self, writes: Sequence[tuple[int, LayoutLike, list[tuple[int, Buffer]]]]
-                         ) -> list[KvfsError | None]:
-        """Write ``(inode, layout, runs)`` entries of one file or many together (a chain round per chain, not per
-        chunk); None or the error of each entry, whose bytes stay unchanged until this returns."""
+        """Write ``(offset, bytes)`` runs of one file, sorted and apart, each chunk's as one update of it and the
+        small updates of a chain as one round: scattered small writes cost a chain round per chain instead of one
+        each, and the bytes between them stay. The bytes stay unchanged until this returns."""
 
     async def truncate(self, ino: int, layout: LayoutLike, old_length: int, new_length: int) -> None:
         """Drop or cut the chunks past ``new_length`` so a later extension reads zeros."""

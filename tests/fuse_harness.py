@@ -104,28 +104,16 @@ class LocalFileStorage:
         await trio.to_thread.run_sync(self._write_sync, ino, layout.chunk_size, offset, data)
 
     async def write_runs(self, ino, layout, runs):
-        """One version for runs of one chunk, as StorageClient.write_runs makes."""
-        await self._faults(runs[-1][0] + len(runs[-1][1]))
-        index, within = divmod(runs[0][0], layout.chunk_size)
-        base = index * layout.chunk_size
-        extents = [(offset - base, len(data)) for offset, data in runs]
-        await trio.to_thread.run_sync(self._write_version, ChunkId(ino, index), layout.chunk_size, within,
-                                      b"".join(data for _, data in runs), extents)
-
-    async def write_many(self, writes):
-        """Each entry's runs, a chunk's in one version, as StorageClient.write_many makes; an error per entry."""
-        results = []
-        for ino, layout, runs in writes:
-            by_chunk: dict[int, list] = {}
-            for offset, data in runs:
-                by_chunk.setdefault(offset // layout.chunk_size, []).append((offset, data))
-            try:
-                for chunk_runs in by_chunk.values():
-                    await self.write_runs(ino, layout, chunk_runs)
-                results.append(None)
-            except KvfsError as e:
-                results.append(e)
-        return results
+        """Runs of one file, sorted and apart, a chunk's in one version, as StorageClient.write_runs makes."""
+        by_chunk: dict[int, list] = {}
+        for offset, data in runs:
+            by_chunk.setdefault(offset // layout.chunk_size, []).append((offset, data))
+        for index, chunk_runs in by_chunk.items():
+            await self._faults(chunk_runs[-1][0] + len(chunk_runs[-1][1]))
+            base = index * layout.chunk_size
+            extents = [(offset - base, len(data)) for offset, data in chunk_runs]
+            await trio.to_thread.run_sync(self._write_version, ChunkId(ino, index), layout.chunk_size,
+                                          chunk_runs[0][0] - base, b"".join(data for _, data in chunk_runs), extents)
 
     def _truncate_sync(self, ino: int, chunk_size: int, new_length: int) -> None:
         keep = -(-new_length // chunk_size)  # chunks [0, keep) may hold bytes below new_length
