@@ -46,6 +46,8 @@ class NodeStatus(msgspec.Struct):
     alive: bool
     seconds_since_heartbeat: float
     targets: list[int]
+    #: the node's process start (``time_ns``), from its last heartbeat; 0 from an mgmtd before this field
+    incarnation: int = 0
 
 
 class ClusterStatus(msgspec.Struct):

@@ -230,7 +230,8 @@ class MgmtdService:
         assert self.manager is not None
         now = self.clock()
         nodes = [
-            NodeStatus(n.node_id, n.address, n.alive, now - n.last_heartbeat, self.node_targets.get(n.node_id, []))
+            NodeStatus(n.node_id, n.address, n.alive, now - n.last_heartbeat, self.node_targets.get(n.node_id, []),
+                       n.incarnation)
             for n in sorted(self.manager.state.nodes.values(), key=lambda n: n.node_id)
         ]
         routing = self.manager.routing()

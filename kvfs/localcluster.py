@@ -70,6 +70,7 @@ class Process:
     role: str
     address: str
     argv: list[str]
+    node_id: int = 0  # chunk servers only
 
 
 def _free_ports(n: int) -> list[int]:
@@ -173,7 +174,7 @@ class LocalCluster:
                        for i in range(layout.targets_per_server)]
             procs.append(Process(f"cs{node}", "chunkserver", address, [
                 *kvfs, "chunkserver", *cfg, "--node-id", str(node), "--listen", address,
-                *(arg for target in targets for arg in ("--target", str(target)))]))
+                *(arg for target in targets for arg in ("--target", str(target)))], node))
         procs.append(Process("meta", "meta", layout.meta, [*kvfs, "meta", *cfg, "--listen", layout.meta]))
         procs.append(Process("mount", "mount", layout.mount, [*kvfs, "mount", *cfg, layout.mount]))
         return procs
@@ -230,9 +231,10 @@ class LocalCluster:
             force_unmount(layout.mount)  # a killed daemon's dead mount point: every stat of it fails
         if not is_mounted(layout.mount):  # never stat a live mount: with meta down its daemon cannot answer
             Path(layout.mount).mkdir(parents=True, exist_ok=True)
+        started: dict[int, int] = {}  # chunk server node id -> time_ns before it was started
         for proc in self.processes(layout):
             if proc.role == "mount":
-                self._ensure_chains(config, layout, echo)
+                self._ensure_chains(config, layout, echo, started)
                 if not mounted or daemon_alive and is_mounted(layout.mount):
                     continue
                 self._wait(proc, lambda: is_mounted(layout.mount), self._start(proc))
@@ -244,13 +246,20 @@ class LocalCluster:
                     port = proc.address.rsplit(":", 1)[1]
                     raise KvfsError(f"{proc.name} cannot start: {proc.address} is in use by a process this cluster"
                                     f" did not start (ss -ltnp 'sport = :{port}' names it)", errno.EADDRINUSE)
+                if proc.role == "chunkserver":
+                    started[proc.node_id] = time.time_ns()
                 child = self._start(proc)
                 echo(f"started {proc.name} (pid {child.pid}) on {proc.address}")
             self._wait(proc, lambda: _listening(proc.address), child)
         return layout
 
-    def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any) -> None:
-        """Create the chain table on first start, then wait until every target serves."""
+    def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any, started: dict[int, int]) -> None:
+        """Create the chain table on first start, then wait until every target serves.
+
+        ``started`` names the chunk servers this call started: their targets count only once mgmtd has heard
+        from the new process. A restarted mgmtd reports the targets it persisted as serving until a node's
+        first heartbeat shows a new incarnation and takes them through a resync, so a table read before that
+        would say ready too soon."""
         from kvfs.craq.messages import TargetState
         from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
         from kvfs.rpc import RpcClient
@@ -262,7 +271,8 @@ class LocalCluster:
                 with trio.fail_after(60):
                     while True:
                         status = await mgmtd.call(STATUS, Empty())
-                        if len(status.nodes) >= len(layout.chunkservers):
+                        heard = {n.node_id for n in status.nodes if n.incarnation >= started.get(n.node_id, 0)}
+                        if len(heard) >= len(layout.chunkservers):
                             break
                         await trio.sleep(0.1)
                     if not status.routing.chains:
