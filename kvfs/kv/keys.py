@@ -26,6 +26,11 @@ def _encode_str(text: str) -> bytes:
     return encoded
 
 
+#: The tuple layer packs a non-negative int in at most 8 bytes below this (``fdb.tuple._size_limits[-1]``), and
+#: 2**64 - 1 itself already as an arbitrary-length integer.
+_MAX_SHORT_INT = (1 << 64) - 1
+
+
 def pack(*parts: Any) -> bytes:
     """Key for a tuple of parts: ``pack("meta", "i", 7)``.
 
@@ -35,7 +40,7 @@ def pack(*parts: Any) -> bytes:
     out = []
     for part in parts:
         kind = type(part)
-        if kind is int and 0 <= part < 1 << 64:
+        if kind is int and 0 <= part < _MAX_SHORT_INT:
             if part == 0:
                 out.append(b"\x14")
             else:
