@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Callable, Concatenate, ParamSpec, TypeVar
 
 import msgspec
@@ -55,6 +55,9 @@ class _Tracked(Transaction):
 
     def get(self, key: bytes, snapshot: bool = False) -> bytes | None:
         return self.tr.get(key, snapshot)
+
+    def get_many(self, keys: Sequence[bytes], snapshot: bool = False) -> list[bytes | None]:
+        return self.tr.get_many(keys, snapshot)
 
     def get_range(
         self, begin: bytes, end: bytes, limit: int = 0, reverse: bool = False, snapshot: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import stat
+from collections.abc import Sequence
 
 import msgspec
 
@@ -51,6 +52,22 @@ def delete_inode(tr: Transaction, ino: int) -> None:
 def get_entry(tr: Transaction, parent: int, name: bytes) -> DirEntry | None:
     raw = tr.get(schema.dentry(parent, name))
     return None if raw is None else decode_entry(raw)
+
+
+def get_entries(tr: Transaction, parent: int, names: Sequence[bytes]) -> list[DirEntry | None]:
+    """:func:`get_entry` of many names, read together."""
+    return [None if raw is None else decode_entry(raw)
+            for raw in tr.get_many([schema.dentry(parent, name) for name in names])]
+
+
+def get_inodes(tr: Transaction, inos: Sequence[int]) -> list[Inode]:
+    """:func:`get_inode` of many inodes, read together."""
+    inodes = []
+    for ino, raw in zip(inos, tr.get_many([schema.inode(ino) for ino in inos])):
+        if raw is None:
+            raise errno_error(errno.ENOENT, f"inode {ino}")
+        inodes.append(decode_inode(raw))
+    return inodes
 
 
 def get_child(tr: Transaction, parent: int, name: bytes) -> tuple[DirEntry, Inode]:

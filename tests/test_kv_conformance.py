@@ -89,6 +89,23 @@ def test_set_get_clear(db):
     assert db.run(lambda tr: tr.get(k(2))) == b"two"
 
 
+def test_get_many_reads_stored_and_own_writes_in_order(db):
+    """More keys than one SQLite statement takes, repeats, missing keys, and the transaction's own writes."""
+    put(db, {k(i): b"db%d" % i for i in range(0, 1200, 2)})
+
+    def fn(tr: Transaction):
+        tr.set(k(1), b"mine1")
+        tr.clear(k(2))
+        tr.add(k(3), 1)
+        keys = [k(i) for i in range(1200)] + [k(0), k(1), k(2), k(5)]
+        return tr.get_many(keys), [tr.get(key) for key in keys]
+
+    many, one_by_one = db.run(fn)
+    assert many == one_by_one
+    assert many[:5] == [b"db0", b"mine1", None, encode_int(1), b"db4"]
+    assert many[-4:] == [b"db0", b"mine1", None, None] and db.run(lambda tr: tr.get_many([])) == []
+
+
 def test_ryw_range_merging_limit_reverse(db):
     put(db, {k(i): b"db%d" % i for i in range(0, 10, 2)})  # 0 2 4 6 8
 
@@ -414,10 +431,11 @@ def test_model(db, before, during, begin, end, limit, reverse):
     def view(tr: Transaction):
         apply_all(tr, during)
         rows = tr.get_range(k(begin), k(end), limit=limit, reverse=reverse)
-        return rows, {key: tr.get(k(key)) for key in range(16)}
+        return rows, {key: tr.get(k(key)) for key in range(16)}, tr.get_many([k(key) for key in range(16)])
 
-    rows, point = db.run(view)
+    rows, point, many = db.run(view)
     assert [(unpack(a)[1], b) for a, b in rows] == expect
     assert point == {key: model.get(key) for key in range(16)}
+    assert many == [model.get(key) for key in range(16)]
     stored = db.run(lambda tr: tr.get_range(*ALL))
     assert [(unpack(a)[1], b) for a, b in stored] == sorted(model.items())

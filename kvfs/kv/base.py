@@ -10,6 +10,7 @@ import abc
 import functools
 import random
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 from kvfs.errors import TransactionConflict, TransactionTooOld
@@ -34,6 +35,11 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: bytes, snapshot: bool = False) -> bytes | None: ...
+
+    def get_many(self, keys: Sequence[bytes], snapshot: bool = False) -> list[bytes | None]:
+        """:meth:`get` of each key, in order. Engines read them together: FoundationDB in parallel (a get is a
+        round trip to a storage server), SQLite in one statement."""
+        return [self.get(key, snapshot) for key in keys]
 
     @abc.abstractmethod
     def get_range(

@@ -11,6 +11,7 @@ import errno
 import os
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
@@ -74,6 +75,14 @@ class FdbTransaction(Transaction):
         def read() -> bytes | None:
             v = self._view(snapshot).get(key)
             return bytes(v) if v.present() else None
+
+        return self._call(read)
+
+    def get_many(self, keys: Sequence[bytes], snapshot: bool = False) -> list[bytes | None]:
+        def read() -> list[bytes | None]:
+            view = self._view(snapshot)
+            futures = [view.get(key) for key in keys]  # all in flight before the first wait
+            return [bytes(v) if v.present() else None for v in futures]
 
         return self._call(read)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvfs.errors import KvfsError, TransactionConflict, TransactionTooLarge, TransactionTooOld
 
@@ -35,6 +35,8 @@ from .buffer import Atomic, WriteBuffer
 SQLITE_BUSY = 5
 SQLITE_BUSY_SNAPSHOT = 517
 _STAMP_KEY = b"\xff/kvfs/stamp"  # outside every tuple-packed key space, like FoundationDB's system keys
+#: Keys per ``IN (...)`` of a batched read: under SQLite's smallest bound-parameter limit (999 before 3.32).
+_MAX_PARAMS = 500
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
 
 
@@ -150,6 +152,18 @@ class SqliteTransaction(Transaction):
 
     def get(self, key: bytes, snapshot: bool = False) -> bytes | None:
         return self._buf.overlay_get(key, lambda: self._stored_get(key, snapshot))
+
+    def get_many(self, keys: Sequence[bytes], snapshot: bool = False) -> list[bytes | None]:
+        stored: dict[bytes, bytes] = {}
+        wanted = list(dict.fromkeys(keys))
+        if wanted:
+            conn = self._read_conn(snapshot)
+            for at in range(0, len(wanted), _MAX_PARAMS):
+                part = wanted[at : at + _MAX_PARAMS]
+                marks = ",".join("?" * len(part))
+                stored.update((bytes(k), bytes(v)) for k, v in
+                              conn.execute(f"SELECT k, v FROM kv WHERE k IN ({marks})", part))
+        return [self._buf.overlay_get(key, lambda key=key: stored.get(key)) for key in keys]
 
     def get_range(
         self, begin: bytes, end: bytes, limit: int = 0, reverse: bool = False, snapshot: bool = False

@@ -15,7 +15,7 @@ from kvfs.kv import Transaction
 from kvfs.meta.api import MAX_BATCH
 from kvfs.meta.ops.files import FileOps
 from kvfs.meta.posix import RENAME_NOREPLACE, W_OK, X_OK, check_name, errno_error, require_access
-from kvfs.meta.records import get_child, get_entry, get_inode, put_inode
+from kvfs.meta.records import get_child, get_entries, get_entry, get_inodes, put_inode
 from kvfs.meta.types import Caller, Commit, Found, Opened
 
 _PUT_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -37,13 +37,14 @@ class BatchOps(FileOps):
 
     def _batch_lookup(self, tr: Transaction, caller: Caller, parent: int, names: list[bytes]) -> list[Found | None]:
         self._dir(tr, caller, parent)
+        entries = get_entries(tr, parent, names)
+        inodes = iter(get_inodes(tr, [e.ino for e in entries if e is not None]))
         found: list[Found | None] = []
-        for name in names:
-            entry = get_entry(tr, parent, name)
+        for entry in entries:
             if entry is None:
                 found.append(None)
                 continue
-            inode = get_inode(tr, entry.ino)
+            inode = next(inodes)
             found.append(Found(inode.attr, inode.layout if stat.S_ISREG(inode.attr.mode) else None))
         return found
 
@@ -61,10 +62,13 @@ class BatchOps(FileOps):
                     mode: int) -> list[Opened | None]:
         self._dir(tr, caller, parent)
         opened: list[Opened | None] = []
-        for name, temp, ino in puts:
-            if get_entry(tr, parent, name) is not None:
+        existing = get_entries(tr, parent, [name for name, _, _ in puts])  # all read at once
+        made: set[bytes] = set()  # temporary files made since, which those reads could not see
+        for (name, temp, ino), entry in zip(puts, existing):
+            if entry is not None or name in made:
                 opened.append(None)
                 continue
+            made.add(temp)
             inode = self._make(tr, caller, parent, temp, stat.S_IFREG | (mode & 0o7777), ino, written=True)
             opened.append(Opened(inode.attr, self._sessions.start(tr, caller, inode, _PUT_FLAGS), inode.layout))
         return opened
