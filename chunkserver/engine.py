@@ -1405,19 +1405,21 @@ class ChunkEngine:
         loc.release()
         return loc.path, loc.offset, loc.length, loc.version
 
-    def pin_location(self, chunk_id: ChunkId, version: int | None, offset: int, length: int) -> Location:
+    def pin_location(self, chunk_id: ChunkId, version: int | None, offset: int, length: int,
+                     nowait: bool = False) -> Location:
         """Where ``version`` (the committed one if None) lies, with the CRCs of the blocks that bytes
         [offset, offset+length) touch, kept in place (its slot not reused) until ``release()``: a short-circuit
         reader on this host reads the slot file itself while the pin holds (chunkserver/README.md, "Short-circuit
-        reads"). A held version is written out first, so this may wait for the disk. Raises ENOENT as :meth:`read`,
-        and EXDEV for a version with overrides: it lies in several places, which one location cannot name, so the
-        reader reads it over the network (until a write makes a fresh base)."""
+        reads"). A held version is written out first, so this may wait for the disk; ``nowait``: BlockingIOError
+        instead. Raises ENOENT as :meth:`read`, and EXDEV for a version with overrides: it lies in several places,
+        which one location cannot name, so the reader reads it over the network (until a write makes a fresh
+        base)."""
         v, _ = self._pin_version(chunk_id, version)
         try:
             if v.overrides:
                 raise KvfsError(f"chunk {chunk_id} v{v.version} lies in {len(v.overrides) + 1} places, not one",
                                 errno.EXDEV)
-            self._settle(v)
+            self._settle(v, nowait)
             n = self._readable(chunk_id, v, offset, length)
         except BaseException:
             self._release(v)

@@ -797,14 +797,22 @@ class ChunkServer:
         if not chosen:
             return p.Located(located)
 
-        def pin(engine: ChunkEngine, r: p.ReadRange, version: int) -> Location | KvfsError:
+        def pin(engine: ChunkEngine, r: p.ReadRange, version: int, nowait: bool) -> Location | KvfsError | None:
             try:
-                return engine.pin_location(r.chunk_id, version, r.offset, r.length)
+                return engine.pin_location(r.chunk_id, version, r.offset, r.length, nowait)
             except KvfsError as exc:
                 return exc
+            except BlockingIOError:
+                return None
 
-        # a held version is written out first: that may wait for the disk
-        pinned = await self._readers.run(lambda: [pin(engine, r, version) for _, engine, r, version in chosen])
+        # inline where the versions lie in their slots already; a held one is written out first, and that may
+        # wait for the disk: those in one worker hop
+        pinned = [pin(engine, r, version, True) for _, engine, r, version in chosen]
+        held = [k for k, loc in enumerate(pinned) if loc is None]
+        if held:
+            settled = await self._readers.run(lambda: [pin(*chosen[k][1:], False) for k in held])
+            for k, loc in zip(held, settled):
+                pinned[k] = loc
         # the pins must outlive the deadline the client checks against: take the time after pinning
         deadline = time.monotonic_ns() + int(LOCATE_LEASE * 1e9)
         releases = [loc.release for loc in pinned if isinstance(loc, Location)]

@@ -351,6 +351,10 @@ def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Pat
         assert (held("written") - written, held("dropped") - dropped) == (0, 4 * chunk)
         with pytest.raises(BlockingIOError):  # an event loop's read must not wait for the write-out
             e.read(C, 0, CS, nowait=True)
+        with pytest.raises(BlockingIOError):  # nor a locate; and it leaves no pin behind
+            e.pin_location(C, 5, 0, chunk, nowait=True)
+        assert held("written") - written == 0 and not e._pins
+        e.pin_location(C, 5, 0, chunk).release()  # without nowait, it writes the version out
         assert content(e, C) == bytes([5]) * chunk and held("written") - written == chunk
         put(e, C, 6, 0, bytes([6]) * chunk)
         e.flush()
