@@ -14,6 +14,7 @@ import errno
 import os
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,12 @@ from kvfs.transport.direct import DirectRegion
 from kvfs.transport.errors import UnregisteredMemory
 
 ROOT_DIR = b"kvcache"
+#: Seconds a ``batch_exists``/``prefix_hits`` answer stands in for the lookup of a get of the same key: engines
+#: ask which blocks are there, then get them at once, and the second metadata round trip would only repeat the
+#: first. Within it a get may return a value another client removed meanwhile (README, "Semantics").
+FOUND_FOR = 1.0
+#: The most such answers kept; the oldest go first.
+KEEP_FOUND = 8192
 
 HITS = Counter("kvfs_kvclient_hits", "kvclient gets that found their key")
 MISSES = Counter("kvfs_kvclient_misses", "kvclient gets whose key was absent")
@@ -101,6 +108,8 @@ class _Core:
         self._dir: int | None = None
         self._dir_lock = trio.Lock()
         self.accesses = AccessLog()
+        #: key -> what an exists call found for it, and until when (monotonic) a get may use that; oldest first
+        self._found: dict[bytes, tuple[Found, float]] = {}
 
     async def _subdir(self, parent: int, name: bytes) -> int:
         try:
@@ -180,11 +189,43 @@ class _Core:
             return [None] * len(keys)
         return await per_batch(self.meta.batch_lookup, self.caller, d, keys)
 
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`lookup_many`, its answers kept for a get that follows within FOUND_FOR seconds."""
+        found = await self.lookup_many(keys)
+        until = time.monotonic() + FOUND_FOR
+        for key, f in zip(keys, found):
+            self._found.pop(key, None)  # re-inserted last: the dict stays oldest first
+            if f is not None:
+                self._found[key] = (f, until)
+        while len(self._found) > KEEP_FOUND:
+            del self._found[next(iter(self._found))]
+        return [f is not None for f in found]
+
+    async def read_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int | OSError]:
+        """Per item: the bytes read, -ENOENT, or the error. One metadata round trip for the keys no exists call
+        answered within FOUND_FOR seconds, then every object's chunks together (``ChunkReader.read_many``). A
+        kept answer that the read proves stale (the key removed meanwhile, or put again) is looked up again."""
+        now = time.monotonic()
+        kept = [self._found.get(key) for key, _ in items]
+        found: list[Found | None] = [k[0] if k is not None and k[1] > now else None for k in kept]
+        ask = [i for i, f in enumerate(found) if f is None]
+        for i, f in zip(ask, await self.lookup_many([items[i][0] for i in ask]) if ask else []):
+            found[i] = f
+        results = await self._read_found([(key, f, out) for (key, out), f in zip(items, found)])
+        stale = sorted(set(range(len(items))) - set(ask))
+        stale = [i for i in stale if isinstance(results[i], OSError)]
+        if stale:
+            for i in stale:
+                self._found.pop(items[i][0], None)
+            again = await self._read_found([(items[i][0], f, items[i][1]) for i, f in
+                                            zip(stale, await self.lookup_many([items[i][0] for i in stale]))])
+            for i, r in zip(stale, again):
+                results[i] = r
+        return results
+
     async def get_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int]:
-        """Batch get: one metadata round trip, then every object's chunks together (``ChunkReader.read_many``)."""
-        found = await self.lookup_many([key for key, _ in items])
-        return [r if isinstance(r, int) else -(r.errno or errno.EIO)
-                for r in await self._read_found([(key, f, out) for (key, out), f in zip(items, found)])]
+        """Batch get: :meth:`read_many`, an error as -errno."""
+        return [r if isinstance(r, int) else -(r.errno or errno.EIO) for r in await self.read_many(items)]
 
     async def _read_found(self, items: Sequence[tuple[bytes, Found | None, memoryview | DeviceSpan]]
                           ) -> list[int | OSError]:
@@ -213,14 +254,15 @@ class _Core:
         return results
 
     async def remove_many(self, keys: Sequence[bytes]) -> list[int]:
+        for key in keys:
+            self._found.pop(key, None)
         d = await self.ns_dir(create=False)
         if d is None:
             return [-errno.ENOENT] * len(keys)
         return await per_batch(self.meta.batch_unlink, self.caller, d, keys)
 
     async def get_into(self, key: bytes, out: memoryview | DeviceSpan) -> int:
-        (found,) = await self.lookup_many([key])
-        (result,) = await self._read_found([(key, found, out)])
+        (result,) = await self.read_many([(key, out)])
         if isinstance(result, OSError):
             raise result
         return result
@@ -237,6 +279,7 @@ class _Core:
         return bytes(buf)
 
     async def remove(self, key: bytes) -> int:
+        self._found.pop(key, None)
         d = await self.ns_dir(create=False)
         if d is None:
             return -errno.ENOENT
@@ -520,8 +563,7 @@ class KVClient:
         self._check_open()
         items = [_key(k) for k in keys]
         with BATCH_SECONDS.labels("exists").time():
-            found = self._call(self._core.lookup_many, items)  # type: ignore[union-attr]
-        return [f is not None for f in found]
+            return self._call(self._core.exists_many, items)  # type: ignore[union-attr]
 
     def prefix_hits(self, keys: Sequence[str | bytes]) -> int:
         """How many leading keys are present (the usable prefix of a token sequence's blocks)."""

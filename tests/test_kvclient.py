@@ -9,6 +9,7 @@ import itertools
 import os
 import random
 import threading
+import time
 
 import pytest
 import trio
@@ -16,6 +17,7 @@ import trio
 from cluster_fixtures import NEEDS_FUSE
 from kvfs.errors import KvfsError
 from kvfs.kvclient import AsyncKVClient, BufferTooSmall, ClientClosed, InvalidKey, KVClient
+from kvfs.kvclient import client as kvclient_module
 
 pytest_plugins = ["cluster_fixtures"]
 pytestmark = [NEEDS_FUSE, pytest.mark.timeout(300)]
@@ -274,6 +276,12 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     assert count(kv.batch_exists, keys + ["nope"]) == ([True] * 40 + [False], ["meta.batch_lookup"])
     assert count(kv.prefix_hits, keys[:10] + ["nope"] + keys[10:]) == (10, ["meta.batch_lookup"])
     outs = [bytearray(2000) for _ in keys]
+    # the exists calls just before answered for the gets that follow (FOUND_FOR)
+    assert count(kv.batch_get_into, keys, outs) == ([1000 + i for i in range(40)], [])
+    assert all(bytes(o[:1000 + i]) == values[i] for i, o in enumerate(outs))
+    monkeypatch.setattr(kvclient_module, "FOUND_FOR", 0.0)
+    assert count(kv.batch_exists, keys) == ([True] * 40, ["meta.batch_lookup"])
+    outs = [bytearray(2000) for _ in keys]
     assert count(kv.batch_get_into, keys, outs) == ([1000 + i for i in range(40)], ["meta.batch_lookup"])
     assert all(bytes(o[:1000 + i]) == values[i] for i, o in enumerate(outs))
     assert count(kv.get, "k3") == (values[3], ["meta.batch_lookup"])  # a single get: one as well
@@ -283,3 +291,31 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     assert count(kv.batch_put, many, [b"v"] * len(many))[1] == ["meta.begin_puts"] * 2 + ["meta.commit_puts"] * 2
     assert count(kv.batch_remove, keys + ["nope"]) == ([0] * 40 + [-errno.ENOENT], ["meta.batch_unlink"])
 
+
+
+def test_a_kept_exists_answer_that_went_stale_is_looked_up_again(kvfs_cluster, kv, ns, monkeypatch) -> None:
+    """A get uses what an exists call found just before; where another client removed the key and put it again
+    meanwhile, and the old value's chunks are gone, the get looks the key up again and reads the new value.
+    The client's own removal forgets the kept answer at once."""
+    monkeypatch.setattr(kvclient_module, "FOUND_FOR", 60.0)  # outlasts the wait for the collector below
+    old, new = _payload(3000, 1), _payload(3000, 2)
+    kv.put("k", old)
+    assert kv.batch_exists(["k"]) == [True]
+    found = kv._core._found[b"k"][0]
+    with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as other:
+        assert other.remove("k") == 0
+        other.put("k", new)
+
+    async def old_chunk_bytes() -> int:
+        return await kv._core.storage.read(found.attr.ino, found.layout, 0, memoryview(bytearray(3000)))
+
+    for _ in range(200):  # meta's collector removes the old file's chunks in the background
+        if kv._call(old_chunk_bytes) == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the removed value's chunks were never collected")
+    out = bytearray(3000)
+    assert kv.batch_get_into(["k"], [out]) == [3000] and bytes(out) == new
+    assert kv.batch_exists(["k"]) == [True] and kv.remove("k") == 0
+    assert kv.batch_get_into(["k"], [out]) == [-errno.ENOENT]
