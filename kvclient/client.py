@@ -204,7 +204,8 @@ class _Core:
     async def read_many(self, items: Sequence[tuple[bytes, memoryview | DeviceSpan]]) -> list[int | OSError]:
         """Per item: the bytes read, -ENOENT, or the error. One metadata round trip for the keys no exists call
         answered within FOUND_FOR seconds, then every object's chunks together (``ChunkReader.read_many``). A
-        kept answer that the read proves stale (the key removed meanwhile, or put again) is looked up again."""
+        key whose read fails is looked up again: removed meanwhile, it is -ENOENT; put again (or a kept answer
+        gone stale), it is read again; still the same file, the read's error stands."""
         now = time.monotonic()
         kept = [self._found.get(key) for key, _ in items]
         found: list[Found | None] = [k[0] if k is not None and k[1] > now else None for k in kept]
@@ -212,14 +213,14 @@ class _Core:
         for i, f in zip(ask, await self.lookup_many([items[i][0] for i in ask]) if ask else []):
             found[i] = f
         results = await self._read_found([(key, f, out) for (key, out), f in zip(items, found)])
-        stale = sorted(set(range(len(items))) - set(ask))
-        stale = [i for i in stale if isinstance(results[i], OSError)]
-        if stale:
-            for i in stale:
+        failed = [i for i, r in enumerate(results) if isinstance(r, OSError)]
+        if failed:
+            again: list[tuple[int, Found | None]] = []
+            for i, f in zip(failed, await self.lookup_many([items[i][0] for i in failed])):
                 self._found.pop(items[i][0], None)
-            again = await self._read_found([(items[i][0], f, items[i][1]) for i, f in
-                                            zip(stale, await self.lookup_many([items[i][0] for i in stale]))])
-            for i, r in zip(stale, again):
+                if f is None or f.attr.ino != found[i].attr.ino:  # type: ignore[union-attr]
+                    again.append((i, f))
+            for (i, _), r in zip(again, await self._read_found([(items[i][0], f, items[i][1]) for i, f in again])):
                 results[i] = r
         return results
 

@@ -293,6 +293,19 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
 
 
 
+def _wait_collected(kv: KVClient, found) -> None:
+    """Until meta's collector has removed the chunks of the file ``found`` names (it runs in the background)."""
+
+    async def chunk_bytes() -> int:
+        return await kv._core.storage.read(found.attr.ino, found.layout, 0, memoryview(bytearray(found.attr.size)))
+
+    for _ in range(200):
+        if kv._call(chunk_bytes) == 0:
+            return
+        time.sleep(0.05)
+    pytest.fail("the removed value's chunks were never collected")
+
+
 def test_a_kept_exists_answer_that_went_stale_is_looked_up_again(kvfs_cluster, kv, ns, monkeypatch) -> None:
     """A get uses what an exists call found just before; where another client removed the key and put it again
     meanwhile, and the old value's chunks are gone, the get looks the key up again and reads the new value.
@@ -306,16 +319,25 @@ def test_a_kept_exists_answer_that_went_stale_is_looked_up_again(kvfs_cluster, k
         assert other.remove("k") == 0
         other.put("k", new)
 
-    async def old_chunk_bytes() -> int:
-        return await kv._core.storage.read(found.attr.ino, found.layout, 0, memoryview(bytearray(3000)))
-
-    for _ in range(200):  # meta's collector removes the old file's chunks in the background
-        if kv._call(old_chunk_bytes) == 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the removed value's chunks were never collected")
+    _wait_collected(kv, found)
     out = bytearray(3000)
     assert kv.batch_get_into(["k"], [out]) == [3000] and bytes(out) == new
     assert kv.batch_exists(["k"]) == [True] and kv.remove("k") == 0
     assert kv.batch_get_into(["k"], [out]) == [-errno.ENOENT]
+
+
+def test_a_get_racing_a_removal_says_enoent(kvfs_cluster, kv, ns, monkeypatch) -> None:
+    """The file a get found is removed, and its chunks collected, before the get reads them: the get answers
+    -ENOENT (the key is gone), not the chunk servers' error. The lookup is made to happen first by an exists
+    call whose answer the get uses."""
+    monkeypatch.setattr(kvclient_module, "FOUND_FOR", 60.0)
+    kv.put("k", _payload(3000, 1))
+    kv.put("stays", _payload(100, 2))
+    assert kv.batch_exists(["k", "stays"]) == [True, True]
+    found = kv._core._found[b"k"][0]
+    with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as other:
+        assert other.remove("k") == 0
+    _wait_collected(kv, found)
+    outs = [bytearray(3000), bytearray(100)]
+    assert kv.batch_get_into(["k", "stays"], outs) == [-errno.ENOENT, 100]
+    assert bytes(outs[1]) == _payload(100, 2)
