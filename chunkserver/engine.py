@@ -413,7 +413,7 @@ class ChunkEngine:
         self._lock = threading.Lock()  # in-memory state; never held across disk I/O except fallocate
         self._db_lock = threading.Lock()  # serialises metadata writers; held across the SQLite commit
         self._chunks: dict[int, dict[int, _Entry]] = {}
-        self._pins: Counter[Slot] = Counter()
+        self._pins: dict[Slot, int] = {}  # slot -> readers holding it (absent: none)
         self._deferred: set[Slot] = set()
         self._refs: Counter[Slot] = Counter()  # slot -> how many versions (rows) name it
         self._undurable_frees: list[Slot] = []  # slots whose rows' removal is not yet fsync'ed
@@ -530,7 +530,7 @@ class ChunkEngine:
         if slot < 0:
             return
         key = (cls, slot)
-        if self._pins[key]:
+        if key in self._pins:
             self._deferred.add(key)
             return
         if self._held.drop(key):  # freed once the write-out under way has ended
@@ -563,13 +563,18 @@ class ChunkEngine:
                 self._free(*key)
 
     def _pin(self, v: _Version) -> None:
-        self._pins.update(v.slots())
+        pins = self._pins
+        for key in v.slots():
+            pins[key] = pins.get(key, 0) + 1
 
     def _unpin(self, v: _Version) -> None:
+        pins = self._pins
         for key in v.slots():
-            self._pins[key] -= 1
-            if not self._pins[key]:
-                del self._pins[key]
+            left = pins[key] - 1
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
                 if key in self._deferred:
                     self._deferred.discard(key)
                     self._free(*key)
@@ -1118,7 +1123,9 @@ class ChunkEngine:
         version and ChecksumMismatch for corrupt data (serve from another replica, then repair).
         ``nowait`` reads only what is in the page cache and raises BlockingIOError otherwise, so an
         event loop can read cached data itself and leave the rest to a thread."""
-        v, meta = self._pin_version(chunk_id, version)
+        with self._lock:
+            v, entry = self._pinned(chunk_id, version)
+            meta = self._meta(chunk_id, v, entry)
         try:
             self._settle(v, nowait)
             n = self._readable(chunk_id, v, offset, length)
@@ -1141,7 +1148,7 @@ class ChunkEngine:
         stays pinned, so not reused, until ``release()``; call it once the bytes have left (an unreleased loan
         only keeps one slot out of use). This waits for the disk: call it from a worker thread. Raises as
         :meth:`read`."""
-        v, _ = self._pin_version(chunk_id, version)
+        v = self._pin_version(chunk_id, version)
         try:
             self._settle(v)
             n = self._readable(chunk_id, v, offset, length)
@@ -1190,20 +1197,24 @@ class ChunkEngine:
         with self._lock:
             self._unpin(v)
 
-    def _pin_version(self, chunk_id: ChunkId, version: int | None) -> tuple[_Version, ChunkVersion]:
+    def _pin_version(self, chunk_id: ChunkId, version: int | None) -> _Version:
         """The named version (the committed one if None), pinned: its slot is not reused until unpinned."""
         with self._lock:
-            entry = self._entry(chunk_id)
-            candidates = () if entry is None else (entry.committed, entry.pending)
-            if version is None:
-                candidates = candidates[:1]
-            v = next((x for x in candidates if x is not None and version in (None, x.version)), None)
-            if v is None:
-                raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
-                                errno.ENOENT)
-            meta = self._meta(chunk_id, v, entry)
-            self._pin(v)
-        return v, meta
+            return self._pinned(chunk_id, version)[0]
+
+    def _pinned(self, chunk_id: ChunkId, version: int | None) -> tuple[_Version, _Entry]:
+        """(Caller holds the lock.) :meth:`_pin_version`, and the chunk's entry."""
+        entry = self._entry(chunk_id)
+        v = None
+        if entry is not None:
+            v = entry.committed
+            if version is not None and (v is None or v.version != version):
+                v = entry.pending if entry.pending is not None and entry.pending.version == version else None
+        if v is None:
+            raise KvfsError(f"chunk {chunk_id} v{version if version is not None else 'committed'} not found",
+                            errno.ENOENT)
+        self._pin(v)
+        return v, entry
 
     @staticmethod
     def _readable(chunk_id: ChunkId, v: _Version, offset: int, length: int) -> int:
@@ -1373,7 +1384,7 @@ class ChunkEngine:
     def bad_blocks(self, chunk_id: ChunkId) -> tuple[int, list[int]]:
         """(committed version, its blocks whose bytes on the disk fail their CRC), each block read and checked
         on its own: what a repair must fetch. ENOENT if the chunk has no committed version."""
-        v, _ = self._pin_version(chunk_id, None)
+        v = self._pin_version(chunk_id, None)
         try:
             self._settle(v)
             bad = []
@@ -1414,7 +1425,7 @@ class ChunkEngine:
         instead. Raises ENOENT as :meth:`read`, and EXDEV for a version with overrides: it lies in several places,
         which one location cannot name, so the reader reads it over the network (until a write makes a fresh
         base)."""
-        v, _ = self._pin_version(chunk_id, version)
+        v = self._pin_version(chunk_id, version)
         try:
             if v.overrides:
                 raise KvfsError(f"chunk {chunk_id} v{v.version} lies in {len(v.overrides) + 1} places, not one",

@@ -776,8 +776,9 @@ class ChunkServer:
         """Short-circuit reads: tell a client on this host where the versions a read would serve lie, and keep
         them there (pinned) for ``LOCATE_LEASE`` seconds while the client reads the files itself. Each version is
         chosen exactly as for a read; one the chain would not serve now is None (the client reads it over the
-        network). All of a batch's pins are taken in one worker hop and released together. A client elsewhere
-        gets EPERM and reads over the network."""
+        network). A batch's pins are taken inline, those of versions still held in memory in one worker hop (they
+        are written out first), and released together. A client elsewhere gets EPERM and reads over the
+        network."""
         if not self._same_host(ctx.peer, req.boot_id):
             raise KvfsError(f"short-circuit reads are for clients on this host; {ctx.peer} is not", errno.EPERM)
         located: list[p.ChunkLocation | None] = [None] * len(req.ranges)
