@@ -107,9 +107,12 @@ until a flush writes it out. If the chunk is written again before that, the new 
 one's slot and the held bytes are dropped: they never reach the disk. A program that rewrites a file within a
 flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
 copy per flush instead of one per write. A partial write on a held version shares its base, like any other;
-the base stays held until something writes it out. Anything that reads a held version's slot (a read, a loan, a
-partial write's old blocks, a short-circuit reader) writes it out first. Past half of ``hold_bytes`` a background
-thread writes out the oldest held versions, beside the writers; past ``hold_bytes`` the writer that went past it does.
+the base stays held until something writes it out. Reads and loans of a held version are served from the held
+bytes (their block CRCs checked, as on disk); what needs the bytes in the slot writes the version out first: a
+partial write's old blocks, a short-circuit reader (a batch of chunks is read faster from this host's files, even
+after a write-out, than in an RPC each over the network from memory: benchmarks/RESULTS.md). Past half of
+``hold_bytes`` a background thread writes out the oldest held versions, beside the writers; past ``hold_bytes``
+the writer that went past it does.
 
 What it costs: a kill -9 now loses what the target holds, as a power loss loses unflushed writes in plain
 write-back. The versions were staged (their rows name slots the bytes never reached) and listed as unflushed,
@@ -284,6 +287,11 @@ _EMPTY = _Version(0, 0, 0, array("I"), -1, -1)
 class _Entry:
     committed: _Version | None = None
     pending: _Version | None = None
+
+
+def _block_end(v: _Version, end: int) -> int:
+    """Where the block holding byte ``end - 1`` of ``v`` ends (cut at ``v``'s length)."""
+    return min(_nblocks(end) * BLOCK, v.length)
 
 
 def _nblocks(length: int) -> int:
@@ -648,6 +656,11 @@ class ChunkEngine:
                 if n <= 0:
                     raise ChecksumMismatch(f"{self._where(old)}: ends early")
                 left, src_off, dst_off = left - n, src_off + n, dst_off + n
+
+    def _held_bytes(self, v: _Version) -> memoryview | None:
+        """(Caller holds the lock.) ``v``'s bytes where they are still held in memory, else None. A pinned version
+        keeps its slot, so the bytes stay the version's even if a write-out takes them off the held list."""
+        return None if v.overrides else self._held.peek((v.cls, v.slot))
 
     def _settle(self, v: _Version, nowait: bool = False) -> None:
         """Make sure ``v``'s bytes are in its slot (written out if held) before they are read from it.
@@ -1126,8 +1139,8 @@ class ChunkEngine:
         with self._lock:
             v, entry = self._pinned(chunk_id, version)
             meta = self._meta(chunk_id, v, entry)
+            held = self._held_bytes(v)
         try:
-            self._settle(v, nowait)
             n = self._readable(chunk_id, v, offset, length)
             if into is not None:
                 out = memoryview(into).cast("B")
@@ -1135,7 +1148,13 @@ class ChunkEngine:
                 out = out[:n]
             else:
                 out = memoryview(bytearray(n))
-            self._read_verified(v, offset, out, nowait)
+            if held is not None:
+                lo = offset // BLOCK * BLOCK
+                self._check_blocks(v, lo, held[lo : _block_end(v, offset + n)])
+                out[:] = held[offset : offset + n]
+            else:
+                self._settle(v, nowait)
+                self._read_verified(v, offset, out, nowait)
         finally:
             self._release(v)
         return (n if into is not None else out.obj), meta
@@ -1148,10 +1167,17 @@ class ChunkEngine:
         stays pinned, so not reused, until ``release()``; call it once the bytes have left (an unreleased loan
         only keeps one slot out of use). This waits for the disk: call it from a worker thread. Raises as
         :meth:`read`."""
-        v = self._pin_version(chunk_id, version)
+        with self._lock:
+            v = self._pinned(chunk_id, version)[0]
+            held = self._held_bytes(v)
         try:
-            self._settle(v)
             n = self._readable(chunk_id, v, offset, length)
+            if held is not None:  # immutable bytes of our own: the slot need not stay pinned
+                lo = offset // BLOCK * BLOCK
+                self._check_blocks(v, lo, held[lo : _block_end(v, offset + n)])
+                self._release(v)
+                return Lent(held[offset : offset + n], _nothing)
+            self._settle(v)
             if v.overrides:  # in several places: read through the page cache into a buffer of its own
                 data = memoryview(bytearray(n))
                 self._read_verified(v, offset, data)

@@ -128,6 +128,11 @@ class HeldWrites:
             return True
         return False
 
+    def peek(self, key: Slot) -> memoryview | None:
+        """Slot ``key``'s held bytes (a whole version, immutable), still held; None if none are, or their write-out
+        is under way. (Caller holds the lock.)"""
+        return self._held.get(key)
+
     def slots(self) -> Iterator[Slot]:
         """The slots held or being written out now (caller holds the lock; iterate a copy)."""
         return iter([*self._held, *self._writing])

@@ -341,7 +341,8 @@ def held(fate: str) -> float:
 
 def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Path) -> None:
     """With write-back, whole-version writes wait in memory for a sync: a chunk rewritten meanwhile reaches the
-    disk once, as its newest version; reads and syncs write a held version out first."""
+    disk once, as its newest version. Reads and loans are served from the held bytes; syncs, partial writes and
+    a pinned location (without nowait) write a held version out first."""
     chunk = 4 * BLOCK
     written, dropped = held("written"), held("dropped")
     root = tmp_path / "t"
@@ -349,9 +350,11 @@ def test_held_writes_reach_the_disk_once_and_superseded_ones_never(tmp_path: Pat
         for v in range(1, 6):
             put(e, C, v, 0, bytes([v]) * chunk)
         assert (held("written") - written, held("dropped") - dropped) == (0, 4 * chunk)
-        with pytest.raises(BlockingIOError):  # an event loop's read must not wait for the write-out
-            e.read(C, 0, CS, nowait=True)
-        with pytest.raises(BlockingIOError):  # nor a locate; and it leaves no pin behind
+        assert e.read(C, 0, CS, nowait=True)[0] == bytes([5]) * chunk  # from memory, even for an event loop
+        lent = e.lend(C, 3, chunk, 5)
+        assert bytes(lent.data) == bytes([5]) * (chunk - 3)
+        lent.release()
+        with pytest.raises(BlockingIOError):  # a locate names a slot, whose bytes are not there yet
             e.pin_location(C, 5, 0, chunk, nowait=True)
         assert held("written") - written == 0 and not e._pins
         e.pin_location(C, 5, 0, chunk).release()  # without nowait, it writes the version out
