@@ -41,6 +41,7 @@ class ReplicaFiles:
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
+        self._no_nowait: set[str] = set()  # files whose file system refuses RWF_NOWAIT (tmpfs)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -68,9 +69,26 @@ class ReplicaFiles:
         hi = min(-(-(within + have) // BLOCK) * BLOCK, loc.length)
         return have, lo, hi
 
-    def pread(self, loc: ChunkLocation, lo: int, buffers: list[memoryview], expect: int) -> None:
+    def pread(self, loc: ChunkLocation, lo: int, buffers: list[memoryview], expect: int, nowait: bool = False) -> None:
+        """``nowait``: only from the page cache (``RWF_NOWAIT``), else BlockingIOError; a file whose file system
+        cannot say (tmpfs refuses the flag) is read as without it, once it has refused."""
         buffers = [b for b in buffers if len(b)]
-        got = os.preadv(self.fd(loc.path), buffers, loc.file_offset + lo) if buffers else 0
+        if not buffers:
+            got = 0
+        elif nowait and loc.path not in self._no_nowait:
+            fd = self.fd(loc.path)
+            try:
+                got = os.preadv(fd, buffers, loc.file_offset + lo, os.RWF_NOWAIT)
+            except OSError as exc:
+                if exc.errno == errno.EOPNOTSUPP:
+                    self._no_nowait.add(loc.path)
+                elif exc.errno != errno.EAGAIN:
+                    raise
+                raise BlockingIOError(errno.EAGAIN, "not all in the page cache") from None
+            if got != expect:  # a part was cached
+                raise BlockingIOError(errno.EAGAIN, "not all in the page cache")
+        else:
+            got = os.preadv(self.fd(loc.path), buffers, loc.file_offset + lo)
         if got != expect:
             raise LocalReadFailed("short", f"{loc.path}: short read ({got} of {expect} bytes)")
 
@@ -84,16 +102,17 @@ class ReplicaFiles:
         if bad is not None:
             raise LocalReadFailed("crc", f"{loc.path} slot at {loc.file_offset} block {bad}: CRC32C mismatch")
 
-    def read_checked(self, loc: ChunkLocation, within: int, out: memoryview) -> int:
+    def read_checked(self, loc: ChunkLocation, within: int, out: memoryview, nowait: bool = False) -> int:
         """``out`` <- bytes at ``within`` of the located version (zeros past its end), blocks checked; the middle
         lands straight in ``out``, the partial blocks around it in scratch. Returns the bytes read from the file.
-        ``loc`` may name more blocks than the read touches (a whole chunk located once for many reads)."""
+        ``loc`` may name more blocks than the read touches (a whole chunk located once for many reads).
+        ``nowait``: BlockingIOError where the bytes are not all in the page cache (see :meth:`pread`)."""
         have, lo, hi = self.extent(loc, within, len(out))
         out[have:] = bytes(len(out) - have)
         if not have:
             return 0
         lo = max(lo, within // BLOCK * BLOCK)
         head, tail = memoryview(bytearray(within - lo)), memoryview(bytearray(hi - within - have))
-        self.pread(loc, lo, [head, out[:have], tail], hi - lo)
+        self.pread(loc, lo, [head, out[:have], tail], hi - lo, nowait)
         self.check(loc, [(lo, head), (within, out[:have]), (within + have, tail)], lo, hi)
         return have

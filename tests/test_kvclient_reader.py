@@ -86,3 +86,41 @@ def test_a_corrupt_block_is_refused(tmp_path) -> None:
             assert e.value.reason == "crc" and "block 1" in e.value.message
         finally:
             reader.close()
+
+
+def test_reads_the_page_cache_cannot_answer_are_read_from_the_disk_after_the_cached_ones(tmp_path) -> None:
+    """A batch's host reads: the cached ones first without waiting (``RWF_NOWAIT``), then the rest from the disk
+    in several hops; every byte right either way. Where the file system cannot tell (tmpfs), the reads just wait."""
+    import trio
+
+    chunks = [ChunkId(20 + i, 0) for i in range(6)]
+    values = [os.urandom(2 * BLOCK + 100 * i) for i in range(6)]
+    with ChunkEngine(tmp_path / "t", fsync=False) as engine:
+        locations = []
+        for cid, data in zip(chunks, values):
+            engine.write_pending(cid, 1, 0, data, crc32c(data), chunk_size=1 << 20)
+            engine.commit(cid, 1)
+            loc = engine.pin_location(cid, None, 0, len(data))
+            loc.release()
+            locations.append(ChunkLocation(loc.version, str(loc.path), loc.offset, loc.length, loc.first_block,
+                                           loc.block_crcs, time.monotonic_ns() + LEASE_NS))
+        def drop_some() -> None:
+            fd = os.open(locations[0].path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # clean pages can be dropped
+                for loc in locations[::2]:
+                    os.posix_fadvise(fd, loc.file_offset, loc.length, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+        reader = _reader()
+        try:
+            drop_some()
+            with pytest.raises(BlockingIOError):
+                reader.files.read_checked(locations[0], 0, memoryview(bytearray(len(values[0]))), nowait=True)
+            drop_some()  # that miss started readahead
+            outs = [memoryview(bytearray(len(v))) for v in values]
+            failures = trio.run(reader._read_local, [(loc, 0, out) for loc, out in zip(locations, outs)])
+            assert failures == [None] * 6 and [bytes(o) for o in outs] == values
+        finally:
+            reader.close()
