@@ -272,6 +272,7 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
 
     keys = [f"k{i}" for i in range(40)]
     values = [_payload(1000 + i, i) for i in range(40)]
+    monkeypatch.setattr(kvclient_module, "FOUND_FOR", 60.0)  # a slow machine must not outlast it below
     assert count(kv.batch_put, keys, values) == ([0] * 40, ["meta.begin_puts", "meta.commit_puts"])
     assert count(kv.batch_exists, keys + ["nope"]) == ([True] * 40 + [False], ["meta.batch_lookup"])
     assert count(kv.prefix_hits, keys[:10] + ["nope"] + keys[10:]) == (10, ["meta.batch_lookup"])
