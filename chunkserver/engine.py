@@ -289,11 +289,6 @@ class _Entry:
     pending: _Version | None = None
 
 
-def _block_end(v: _Version, end: int) -> int:
-    """Where the block holding byte ``end - 1`` of ``v`` ends (cut at ``v``'s length)."""
-    return min(_nblocks(end) * BLOCK, v.length)
-
-
 def _nblocks(length: int) -> int:
     return -(-length // BLOCK)
 
@@ -661,6 +656,12 @@ class ChunkEngine:
         """(Caller holds the lock.) ``v``'s bytes where they are still held in memory, else None. A pinned version
         keeps its slot, so the bytes stay the version's even if a write-out takes them off the held list."""
         return None if v.overrides else self._held.peek((v.cls, v.slot))
+
+    def _checked_held(self, v: _Version, held: memoryview, offset: int, n: int) -> memoryview:
+        """Bytes [offset, offset+n) of ``v``'s held bytes, the blocks they touch checked against their CRCs."""
+        lo = offset // BLOCK * BLOCK
+        self._check_blocks(v, lo, held[lo : min(_nblocks(offset + n) * BLOCK, v.length)])
+        return held[offset : offset + n]
 
     def _settle(self, v: _Version, nowait: bool = False) -> None:
         """Make sure ``v``'s bytes are in its slot (written out if held) before they are read from it.
@@ -1149,9 +1150,7 @@ class ChunkEngine:
             else:
                 out = memoryview(bytearray(n))
             if held is not None:
-                lo = offset // BLOCK * BLOCK
-                self._check_blocks(v, lo, held[lo : _block_end(v, offset + n)])
-                out[:] = held[offset : offset + n]
+                out[:] = self._checked_held(v, held, offset, n)
             else:
                 self._settle(v, nowait)
                 self._read_verified(v, offset, out, nowait)
@@ -1173,10 +1172,9 @@ class ChunkEngine:
         try:
             n = self._readable(chunk_id, v, offset, length)
             if held is not None:  # immutable bytes of our own: the slot need not stay pinned
-                lo = offset // BLOCK * BLOCK
-                self._check_blocks(v, lo, held[lo : _block_end(v, offset + n)])
+                data = self._checked_held(v, held, offset, n)
                 self._release(v)
-                return Lent(held[offset : offset + n], _nothing)
+                return Lent(data, _nothing)
             self._settle(v)
             if v.overrides:  # in several places: read through the page cache into a buffer of its own
                 data = memoryview(bytearray(n))

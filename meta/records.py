@@ -24,7 +24,10 @@ decode_entry = msgspec.msgpack.Decoder(DirEntry).decode
 
 
 def get_inode(tr: Transaction, ino: int) -> Inode:
-    raw = tr.get(schema.inode(ino))
+    return _inode(ino, tr.get(schema.inode(ino)))
+
+
+def _inode(ino: int, raw: bytes | None) -> Inode:
     if raw is None:
         raise errno_error(errno.ENOENT, f"inode {ino}")
     return decode_inode(raw)
@@ -62,12 +65,7 @@ def get_entries(tr: Transaction, parent: int, names: Sequence[bytes]) -> list[Di
 
 def get_inodes(tr: Transaction, inos: Sequence[int]) -> list[Inode]:
     """:func:`get_inode` of many inodes, read together."""
-    inodes = []
-    for ino, raw in zip(inos, tr.get_many([schema.inode(ino) for ino in inos])):
-        if raw is None:
-            raise errno_error(errno.ENOENT, f"inode {ino}")
-        inodes.append(decode_inode(raw))
-    return inodes
+    return [_inode(ino, raw) for ino, raw in zip(inos, tr.get_many([schema.inode(ino) for ino in inos]))]
 
 
 def get_child(tr: Transaction, parent: int, name: bytes) -> tuple[DirEntry, Inode]:

@@ -36,10 +36,10 @@ class Transaction(abc.ABC):
     @abc.abstractmethod
     def get(self, key: bytes, snapshot: bool = False) -> bytes | None: ...
 
+    @abc.abstractmethod
     def get_many(self, keys: Sequence[bytes], snapshot: bool = False) -> list[bytes | None]:
-        """:meth:`get` of each key, in order. Engines read them together: FoundationDB in parallel (a get is a
-        round trip to a storage server), SQLite in one statement."""
-        return [self.get(key, snapshot) for key in keys]
+        """:meth:`get` of each key, in order, read together: FoundationDB in parallel (a get is a round trip to a
+        storage server), SQLite in one statement."""
 
     @abc.abstractmethod
     def get_range(
