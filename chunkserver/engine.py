@@ -108,9 +108,10 @@ one's slot and the held bytes are dropped: they never reach the disk. A program 
 flush interval (a checkpoint saved every few seconds, fio's write job over one 256 MiB file) costs the disk one
 copy per flush instead of one per write. A partial write on a held version shares its base, like any other;
 the base stays held until something writes it out. Reads and loans of a held version are served from the held
-bytes (their block CRCs checked, as on disk); what needs the bytes in the slot writes the version out first: a
-partial write's old blocks, a short-circuit reader (a batch of chunks is read faster from this host's files, even
-after a write-out, than in an RPC each over the network from memory: benchmarks/RESULTS.md). Past half of
+bytes (their block CRCs checked, as on disk); what needs the bytes in the slot writes the version out first,
+through the page cache, which the read that follows then hits: a partial write's old blocks, a short-circuit
+reader (a batch of chunks is read faster from this host's files, even after a write-out, than in an RPC each over
+the network from memory: benchmarks/RESULTS.md). Past half of
 ``hold_bytes`` a background thread writes out the oldest held versions, beside the writers; past ``hold_bytes``
 the writer that went past it does.
 

@@ -35,10 +35,11 @@ RETRY_AFTER = 1.0
 
 
 class HeldWrites:
-    """Up to ``limit`` bytes of held versions. ``write(cls, data, offset)`` writes bytes into a slot file;
-    ``free(cls, slot)`` frees a slot whose version went away while its bytes were being written out."""
+    """Up to ``limit`` bytes of held versions. ``write(cls, data, offset, cached)`` writes bytes into a slot file
+    (``cached``: through the page cache, for a reader about to read them); ``free(cls, slot)`` frees a slot whose
+    version went away while its bytes were being written out."""
 
-    def __init__(self, limit: int, lock: threading.Lock, write: Callable[[int, memoryview, int], None],
+    def __init__(self, limit: int, lock: threading.Lock, write: Callable[[int, memoryview, int, bool], None],
                  free: Callable[[int, int], None]) -> None:
         self.limit = limit
         self.bytes = 0
@@ -139,16 +140,18 @@ class HeldWrites:
 
     def settle(self, key: Slot, nowait: bool = False) -> None:
         """Make sure slot ``key``'s bytes are in the slot (written out if held) before they are read from it.
-        ``nowait``: BlockingIOError instead of writing them out (a read that must not wait for the disk)."""
+        ``nowait``: BlockingIOError instead of writing them out (a read that must not wait for the disk). They go
+        through the page cache, where the read that asked finds them: written around it, that read (a
+        short-circuit reader's, right after its locate) would wait for the disk, behind a flush's writes."""
         if key in self._held or key in self._writing:
             if nowait:
                 raise BlockingIOError(errno.EAGAIN, "held in memory, not written yet")
-            self.write_out(key)
+            self.write_out(key, cached=True)
 
-    def write_out(self, key: Slot) -> None:
+    def write_out(self, key: Slot, cached: bool = False) -> None:
         """Write out slot ``key``'s held bytes, if it still has any; or wait for the write-out under way. A slot
         freed meanwhile goes back to the free list once the bytes have landed, so no new version is written into
-        it under them."""
+        it under them. ``cached``: through the page cache (see :meth:`settle`)."""
         with self._lock:
             while key in self._writing:
                 self._written.wait()
@@ -159,7 +162,7 @@ class HeldWrites:
         cls, slot = key
         written = False
         try:
-            self._write(cls, data, slot << cls)
+            self._write(cls, data, slot << cls, cached)
             written = True
         finally:
             with self._lock:

@@ -201,11 +201,11 @@ class SlotFiles:
 
     # ----------------------------------------------------------------- data I/O
 
-    def write(self, cls: int, data: memoryview, offset: int) -> None:
+    def write(self, cls: int, data: memoryview, offset: int, cached: bool = False) -> None:
         """Write ``data`` at ``offset`` of slot file ``cls``: its page-aligned head around the page cache where it
-        can (see "Direct I/O"), the rest through it."""
+        can (see "Direct I/O") and not ``cached``, the rest through it."""
         f = self.files[cls]
-        n = _direct_length(data, offset) if f.direct >= 0 else 0
+        n = _direct_length(data, offset) if f.direct >= 0 and not cached else 0
         if n:
             try:
                 _write_all(f.direct, data[:n], offset)

@@ -728,6 +728,24 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
         assert content(e, C) == data[:BLOCK] * 2 + data[2 * BLOCK :] and content(e, ChunkId(7, 1)) == data
 
 
+def test_held_versions_written_out_for_a_reader_land_in_the_page_cache(tmp_path: Path) -> None:
+    """A held version that a short-circuit locate writes out goes through the page cache, where the client's read
+    right after finds it; one a flush writes out goes around it, as any direct write."""
+    chunk = 4 * BLOCK
+    data = os.urandom(chunk)
+    with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=8 * chunk) as e:
+        for cid in (C, ChunkId(7, 1)):
+            e.write_pending(cid, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+            e.commit(cid, 1, durable=False)
+        assert e._held.bytes == 2 * chunk
+        e.pin_location(C, 1, 0, chunk).release()
+        e.flush()
+        assert e._held.bytes == 0
+        assert _cached(e, C, 0, chunk)
+        assert _uncached(e, ChunkId(7, 1), 0, chunk)
+        assert content(e, C) == data and content(e, ChunkId(7, 1)) == data
+
+
 def test_direct_length_takes_whole_pages_of_aligned_memory_only() -> None:
     page = mmap.PAGESIZE
     view = _aligned(bytes(3 * page))
