@@ -122,6 +122,14 @@ chain resyncs the replica from its peers, which hold the same versions. Acknowle
 every replica's process dies before a flush (or the host loses power), as with any page cache. ``hold_bytes = 0``
 writes every version at once.
 
+Readers on this host
+--------------------
+Writes go around the page cache where they can (``direct_io``, chunkserver/README.md), which suits a target
+that only remote clients read. A target that short-circuit readers on its host read from (a kvclient beside an
+inference engine: :meth:`pin_location` within the last ``LOCAL_READERS_FOR`` seconds) writes whole versions
+through the page cache instead, held ones when they are written out: those readers read what was put a moment
+ago, and around the cache each such read went to the disk, behind the flush that wrote it.
+
 Parts
 -----
 :class:`ChunkEngine` keeps the chunks' versions in memory, decides what happens to them, and keeps slots in use
@@ -139,6 +147,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from array import array
 from bisect import bisect_right
 from collections import Counter
@@ -161,6 +170,9 @@ log = logging.getLogger("kvfs.chunkserver.engine")
 
 BLOCK_CLS = class_for(BLOCK)  # the slot file whose slots hold one block each: a version's overrides live there
 MAX_OVERRIDES = 256  # a version names fewer block slots than this; a write that would reach it makes a fresh base
+#: Seconds after its last short-circuit location that a target still writes whole versions through the page cache
+#: (see "Readers on this host").
+LOCAL_READERS_FOR = 60.0
 
 Slot = tuple[int, int]  # (size class, slot)
 
@@ -439,7 +451,9 @@ class ChunkEngine:
         self._rows = rows.RowStore(self.root, fsync=fsync)
         self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock,
                                 reserve_bytes=reserve_bytes)
-        self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free)
+        self._located_at = -LOCAL_READERS_FOR  # monotonic time of the last short-circuit location
+        self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free,
+                                self._readers_here)
         torn = self._drop_torn_versions()
         clean = self.root / CLEAN_MARKER
         #: Opened after an unclean stop in write-back mode (a kill, a crash, a power loss: no record of a clean
@@ -653,6 +667,10 @@ class ChunkEngine:
                     raise ChecksumMismatch(f"{self._where(old)}: ends early")
                 left, src_off, dst_off = left - n, src_off + n, dst_off + n
 
+    def _readers_here(self) -> bool:
+        """Whether short-circuit readers on this host located a version here lately (see "Readers on this host")."""
+        return time.monotonic() - self._located_at < LOCAL_READERS_FOR
+
     def _held_bytes(self, v: _Version) -> memoryview | None:
         """(Caller holds the lock.) ``v``'s bytes where they are still held in memory, else None. A pinned version
         keeps its slot, so the bytes stay the version's even if a write-out takes them off the held list."""
@@ -680,7 +698,7 @@ class ChunkEngine:
         end = offset + len(data)
         if extents is None and offset == 0 and end == new_len:  # the whole new version is the write: one pwrite
             if not self._held.hold(cls, slot, data):
-                self._slots.write(cls, data, base)
+                self._slots.write(cls, data, base, self._readers_here())
             return array("I", data_blocks)
         self._settle(old)  # its bytes are read or copied below
         crcs = array("I")
@@ -1450,6 +1468,7 @@ class ChunkEngine:
         instead. Raises ENOENT as :meth:`read`, and EXDEV for a version with overrides: it lies in several places,
         which one location cannot name, so the reader reads it over the network (until a write makes a fresh
         base)."""
+        self._located_at = time.monotonic()
         v = self._pin_version(chunk_id, version)
         try:
             if v.overrides:

@@ -20,6 +20,7 @@ from crc32c import crc32c
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfs.chunkserver import engine as engine_mod
 from kvfs.chunkserver import rows as rows_mod
 from kvfs.chunkserver import slots as slots_mod
 from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, fold_crc
@@ -728,22 +729,32 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
         assert content(e, C) == data[:BLOCK] * 2 + data[2 * BLOCK :] and content(e, ChunkId(7, 1)) == data
 
 
-def test_held_versions_written_out_for_a_reader_land_in_the_page_cache(tmp_path: Path) -> None:
-    """A held version that a short-circuit locate writes out goes through the page cache, where the client's read
-    right after finds it; one a flush writes out goes around it, as any direct write."""
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "written-at-once"])
+def test_whole_versions_go_through_the_page_cache_where_readers_on_this_host_read(tmp_path: Path, hold: bool,
+                                                                                 monkeypatch) -> None:
+    """Around the page cache while no short-circuit reader has located anything here; through it once one has
+    (for LOCAL_READERS_FOR seconds), where its next reads find what was just put: a held version a locate writes
+    out, and every whole version written or written out after that."""
     chunk = 4 * BLOCK
     data = os.urandom(chunk)
-    with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=8 * chunk) as e:
-        for cid in (C, ChunkId(7, 1)):
+    cids = [ChunkId(7, i) for i in range(4)]
+    with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=8 * chunk if hold else 0) as e:
+        def write(cid: ChunkId) -> None:
             e.write_pending(cid, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
             e.commit(cid, 1, durable=False)
-        assert e._held.bytes == 2 * chunk
-        e.pin_location(C, 1, 0, chunk).release()
-        e.flush()
-        assert e._held.bytes == 0
-        assert _cached(e, C, 0, chunk)
-        assert _uncached(e, ChunkId(7, 1), 0, chunk)
-        assert content(e, C) == data and content(e, ChunkId(7, 1)) == data
+            e.flush()
+
+        write(cids[0])
+        assert _uncached(e, cids[0], 0, chunk)
+        e.write_pending(cids[1], 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+        e.commit(cids[1], 1, durable=False)
+        e.pin_location(cids[1], 1, 0, chunk).release()  # held: written out for the reader now
+        write(cids[2])
+        assert _cached(e, cids[1], 0, chunk) and _cached(e, cids[2], 0, chunk)
+        monkeypatch.setattr(engine_mod, "LOCAL_READERS_FOR", 0.0)  # the readers went away
+        write(cids[3])
+        assert _uncached(e, cids[3], 0, chunk)
+        assert all(content(e, cid) == data for cid in cids)
 
 
 def test_direct_length_takes_whole_pages_of_aligned_memory_only() -> None:
