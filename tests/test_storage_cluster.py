@@ -521,6 +521,46 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     engine.close()
 
 
+async def test_chunk_jobs_keep_each_chunks_order_whether_batches_wait_or_not(tmp_path, caplog):
+    """Effects of a chunk run in the order they were made, a batch's after every earlier job of each of its
+    chunks and before every later one, chunks of no batch go on meanwhile, and a failing job leaves no queue
+    behind."""
+    import functools
+    from kvfs.chunkserver.engine import ChunkEngine
+    from kvfs.chunkserver.service import ChunkServer
+
+    engine = ChunkEngine(tmp_path / "target", fsync=False)
+    server = ChunkServer(1, "127.0.0.1:1", {1: engine}, None, None)  # type: ignore[arg-type]
+    ran: list[str] = []
+    gate = trio.Event()
+
+    async def job(name: str, wait: trio.Event | None = None) -> None:
+        if wait is not None:
+            await wait.wait()
+        if name == "fails":
+            raise KvfsError("a disk error", errno.EIO)
+        ran.append(name)
+
+    a, b, c, d = (ChunkId(7, i) for i in range(4))
+    async with trio.open_nursery() as nursery:
+        server._nursery = nursery
+        server._in_chunks_order(1, [a, b], functools.partial(job, "ab", gate))  # nothing queued: one task
+        server._in_chunk_order(1, b, functools.partial(job, "b"))
+        server._in_chunks_order(1, [b, c], functools.partial(job, "bc"))  # waits behind "ab" and "b"
+        server._in_chunk_order(1, c, functools.partial(job, "c"))
+        server._in_chunk_order(1, d, functools.partial(job, "d"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert ran == ["d"]
+        gate.set()
+    assert ran == ["d", "ab", "b", "bc", "c"] and server._chunk_queues == {}
+    async with trio.open_nursery() as nursery:
+        server._nursery = nursery
+        server._in_chunks_order(1, [a, b], functools.partial(job, "fails"))
+        server._in_chunk_order(1, a, functools.partial(job, "a"))
+    assert ran[-1] == "a" and server._chunk_queues == {} and "a disk error" in caplog.text
+    engine.close()
+
+
 class CountingRpc:
     """The client's RpcClient, counting calls by method name (what a batch costs in round trips)."""
 
