@@ -400,12 +400,17 @@ class StorageClient:
         caller reads it over the network. Servers that refused once as not local are not asked again."""
         routing = await self.routing()
         ranges: list[p.ReadRange] = []
-        holders: list[set[str]] = []  # per chunk: the servers with a serving replica of it
+        holders: list[frozenset[str]] = []  # per chunk: the servers with a serving replica of it
+        of_chain: dict[int, frozenset[str]] = {}  # the same for every chunk of a chain
         for ino, layout, index, within, length in chunks:
             chain = await self._chain(layout, ino, index)
             ranges.append(p.ReadRange(chain.chain_id, chain.chain_version, ChunkId(ino, index), within, length))
-            holders.append({a for t in chain.targets if t.state is TargetState.SERVING
-                            and (a := routing.addresses.get(t.node_id)) is not None})
+            serving = of_chain.get(chain.chain_id)
+            if serving is None:
+                serving = of_chain[chain.chain_id] = frozenset(
+                    a for t in chain.targets
+                    if t.state is TargetState.SERVING and (a := routing.addresses.get(t.node_id)) is not None)
+            holders.append(serving)
         located: list[p.ChunkLocation | None] = [None] * len(chunks)
         left = set(range(len(chunks)))
         while left:
