@@ -112,7 +112,10 @@ class ClusterManager:
         """Group ``(target_id, node_id)`` pairs into chains of ``replicas`` targets on distinct nodes.
 
         Greedy: each chain takes one target from each of the ``replicas`` nodes with most targets left,
-        which succeeds whenever any grouping does for equal-sized nodes.
+        which succeeds whenever any grouping does for equal-sized nodes. Successive chains rotate the order of
+        their nodes, so that with several targets per node each node heads some chains and ends others: a head
+        does more work per write than the rest, and chains that all start at one node would queue every write
+        there.
         """
         left: dict[int, list[int]] = {}
         for target_id, node_id in targets:
@@ -123,7 +126,8 @@ class ClusterManager:
             nodes = sorted((n for n in left if left[n]), key=lambda n: (-len(left[n]), n))[:replicas]
             if len(nodes) < replicas:
                 raise KvfsError(f"cannot place chain {chain_id}: fewer than {replicas} nodes with free targets")
-            members = tuple(ChainTarget(left[n].pop(0), n, TargetState.SERVING) for n in nodes)
+            turn = len(created) % replicas
+            members = tuple(ChainTarget(left[n].pop(0), n, TargetState.SERVING) for n in nodes[turn:] + nodes[:turn])
             self.state.chains[chain_id] = ChainConfig(chain_id, 1, members)
             created.append(chain_id)
         return created

@@ -41,6 +41,13 @@ def test_chains_are_placed_on_distinct_nodes():
         ClusterManager(1.0, 0.5).create_chains([(1, 1), (2, 1), (3, 1), (4, 2)], 2)
 
 
+def test_chains_rotate_their_nodes_so_every_node_heads_some():
+    """Three nodes of three targets: each node heads one chain, is the middle of one and ends one."""
+    chains = cluster(nodes=3, per_node=3).state.chains.values()
+    for position in range(3):
+        assert sorted(chain.targets[position].node_id for chain in chains) == [1, 2, 3]
+
+
 def test_lease_must_be_shorter_than_failure_timeout():
     with pytest.raises(ValueError):
         ClusterManager(heartbeat_timeout=1.0, lease=1.0)
