@@ -206,21 +206,26 @@ class _Core:
         answered within FOUND_FOR seconds, then every object's chunks together (``ChunkReader.read_many``). A
         key whose read fails is looked up again: removed meanwhile, it is -ENOENT; put again (or a kept answer
         gone stale), it is read again; still the same file, the read's error stands."""
+        return await self._read_keys([key for key, _ in items], lambda i, found: items[i][1])
+
+    async def _read_keys(self, keys: Sequence[bytes],
+                         out_for: Callable[[int, Found | None], memoryview | DeviceSpan]) -> list[int | OSError]:
+        """:meth:`read_many`, key ``i`` read into ``out_for(i, found)``: asked again for a key looked up again."""
         now = time.monotonic()
-        kept = [self._found.get(key) for key, _ in items]
+        kept = [self._found.get(key) for key in keys]
         found: list[Found | None] = [k[0] if k is not None and k[1] > now else None for k in kept]
         ask = [i for i, f in enumerate(found) if f is None]
-        for i, f in zip(ask, await self.lookup_many([items[i][0] for i in ask]) if ask else []):
+        for i, f in zip(ask, await self.lookup_many([keys[i] for i in ask]) if ask else []):
             found[i] = f
-        results = await self._read_found([(key, f, out) for (key, out), f in zip(items, found)])
+        results = await self._read_found([(key, f, out_for(i, f)) for i, (key, f) in enumerate(zip(keys, found))])
         failed = [i for i, r in enumerate(results) if isinstance(r, OSError)]
         if failed:
             again: list[tuple[int, Found | None]] = []
-            for i, f in zip(failed, await self.lookup_many([items[i][0] for i in failed])):
-                self._found.pop(items[i][0], None)
+            for i, f in zip(failed, await self.lookup_many([keys[i] for i in failed])):
+                self._found.pop(keys[i], None)
                 if f is None or f.attr.ino != found[i].attr.ino:  # type: ignore[union-attr]
                     again.append((i, f))
-            for (i, _), r in zip(again, await self._read_found([(items[i][0], f, items[i][1]) for i, f in again])):
+            for (i, _), r in zip(again, await self._read_found([(keys[i], f, out_for(i, f)) for i, f in again])):
                 results[i] = r
         return results
 
@@ -269,15 +274,17 @@ class _Core:
         return result
 
     async def get(self, key: bytes) -> bytes | None:
-        (found,) = await self.lookup_many([key])
-        if found is None:
-            MISSES.inc()
-            return None
-        buf = bytearray(found.attr.size)
-        (result,) = await self._read_found([(key, found, memoryview(buf))])
+        """:meth:`get_into` a buffer of the object's size, made once the key is found (again, if looked up again)."""
+        bufs: list[bytearray] = []
+
+        def out_for(i: int, found: Found | None) -> memoryview:
+            bufs.append(bytearray(found.attr.size if found is not None else 0))
+            return memoryview(bufs[-1])
+
+        (result,) = await self._read_keys([key], out_for)
         if isinstance(result, OSError):
             raise result
-        return bytes(buf)
+        return bytes(bufs[-1]) if result >= 0 else None
 
     async def remove(self, key: bytes) -> int:
         self._found.pop(key, None)

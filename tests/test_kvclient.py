@@ -280,6 +280,7 @@ def test_one_metadata_round_trip_per_batch(kv, monkeypatch) -> None:
     # the exists calls just before answered for the gets that follow (FOUND_FOR)
     assert count(kv.batch_get_into, keys, outs) == ([1000 + i for i in range(40)], [])
     assert all(bytes(o[:1000 + i]) == values[i] for i, o in enumerate(outs))
+    assert count(kv.get, "k5") == (values[5], [])
     monkeypatch.setattr(kvclient_module, "FOUND_FOR", 0.0)
     assert count(kv.batch_exists, keys) == ([True] * 40, ["meta.batch_lookup"])
     outs = [bytearray(2000) for _ in keys]
@@ -310,36 +311,44 @@ def _wait_collected(kv: KVClient, found) -> None:
 
 def test_a_kept_exists_answer_that_went_stale_is_looked_up_again(kvfs_cluster, kv, ns, monkeypatch) -> None:
     """A get uses what an exists call found just before; where another client removed the key and put it again
-    meanwhile, and the old value's chunks are gone, the get looks the key up again and reads the new value.
-    The client's own removal forgets the kept answer at once."""
+    meanwhile, and the old value's chunks are gone, the get looks the key up again and reads the new value
+    (``get`` too, into a buffer of the new value's size). The client's own removal forgets the kept answer at
+    once."""
     monkeypatch.setattr(kvclient_module, "FOUND_FOR", 60.0)  # outlasts the wait for the collector below
     old, new = _payload(3000, 1), _payload(3000, 2)
     kv.put("k", old)
-    assert kv.batch_exists(["k"]) == [True]
-    found = kv._core._found[b"k"][0]
+    kv.put("k2", old[:1000])
+    assert kv.batch_exists(["k", "k2"]) == [True, True]
+    found = [kv._core._found[key][0] for key in (b"k", b"k2")]
     with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as other:
-        assert other.remove("k") == 0
+        assert other.batch_remove(["k", "k2"]) == [0, 0]
         other.put("k", new)
+        other.put("k2", new[:2000])
 
-    _wait_collected(kv, found)
+    for f in found:
+        _wait_collected(kv, f)
     out = bytearray(3000)
     assert kv.batch_get_into(["k"], [out]) == [3000] and bytes(out) == new
+    assert kv.get("k2") == new[:2000]
     assert kv.batch_exists(["k"]) == [True] and kv.remove("k") == 0
     assert kv.batch_get_into(["k"], [out]) == [-errno.ENOENT]
 
 
 def test_a_get_racing_a_removal_says_enoent(kvfs_cluster, kv, ns, monkeypatch) -> None:
     """The file a get found is removed, and its chunks collected, before the get reads them: the get answers
-    -ENOENT (the key is gone), not the chunk servers' error. The lookup is made to happen first by an exists
-    call whose answer the get uses."""
+    -ENOENT (the key is gone; None from ``get``), not the chunk servers' error. The lookup is made to happen
+    first by an exists call whose answer the get uses."""
     monkeypatch.setattr(kvclient_module, "FOUND_FOR", 60.0)
     kv.put("k", _payload(3000, 1))
+    kv.put("k2", _payload(2000, 3))
     kv.put("stays", _payload(100, 2))
-    assert kv.batch_exists(["k", "stays"]) == [True, True]
-    found = kv._core._found[b"k"][0]
+    assert kv.batch_exists(["k", "k2", "stays"]) == [True, True, True]
+    found = [kv._core._found[key][0] for key in (b"k", b"k2")]
     with KVClient.from_config(kvfs_cluster.data / "client.toml", ns) as other:
-        assert other.remove("k") == 0
-    _wait_collected(kv, found)
+        assert other.batch_remove(["k", "k2"]) == [0, 0]
+    for f in found:
+        _wait_collected(kv, f)
     outs = [bytearray(3000), bytearray(100)]
     assert kv.batch_get_into(["k", "stays"], outs) == [-errno.ENOENT, 100]
     assert bytes(outs[1]) == _payload(100, 2)
+    assert kv.get("k2") is None
