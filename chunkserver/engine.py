@@ -125,10 +125,12 @@ writes every version at once.
 Readers on this host
 --------------------
 Writes go around the page cache where they can (``direct_io``, chunkserver/README.md), which suits a target
-that only remote clients read. A target that short-circuit readers on its host read from (a kvclient beside an
-inference engine: :meth:`pin_location` within the last ``LOCAL_READERS_FOR`` seconds) writes whole versions
-through the page cache instead, held ones when they are written out: those readers read what was put a moment
-ago, and around the cache each such read went to the disk, behind the flush that wrote it.
+that only remote clients read. A target that a short-circuit reader on its host which reads back what is put
+(a kvclient beside an inference engine: :meth:`pin_location` with ``reads_back`` within the last
+``READ_BACK_FOR`` seconds) located chunks at writes whole versions through the page cache instead, held ones when
+they are written out: that reader gets what was put a moment ago, and around the cache each such read went to the
+disk, behind the flush that wrote it out. A mount's short-circuit reads do not ask for it: its large sequential
+writes would pay a page-cache copy per byte for reads that seldom follow.
 
 Parts
 -----
@@ -170,9 +172,9 @@ log = logging.getLogger("kvfs.chunkserver.engine")
 
 BLOCK_CLS = class_for(BLOCK)  # the slot file whose slots hold one block each: a version's overrides live there
 MAX_OVERRIDES = 256  # a version names fewer block slots than this; a write that would reach it makes a fresh base
-#: Seconds after its last short-circuit location that a target still writes whole versions through the page cache
-#: (see "Readers on this host").
-LOCAL_READERS_FOR = 60.0
+#: Seconds after its last location for a reader that reads back what is put that a target still writes whole
+#: versions through the page cache (see "Readers on this host").
+READ_BACK_FOR = 60.0
 
 Slot = tuple[int, int]  # (size class, slot)
 
@@ -451,9 +453,9 @@ class ChunkEngine:
         self._rows = rows.RowStore(self.root, fsync=fsync)
         self._slots = SlotFiles(self.root, direct_io=direct_io, capacity_bytes=capacity_bytes, lock=self._lock,
                                 reserve_bytes=reserve_bytes)
-        self._located_at = -LOCAL_READERS_FOR  # monotonic time of the last short-circuit location
+        self._read_back_at = -READ_BACK_FOR  # monotonic time of the last location for a reader that reads back
         self._held = HeldWrites(hold_bytes if self._write_back else 0, self._lock, self._slots.write, self._free,
-                                self._readers_here)
+                                self._reads_back)
         torn = self._drop_torn_versions()
         clean = self.root / CLEAN_MARKER
         #: Opened after an unclean stop in write-back mode (a kill, a crash, a power loss: no record of a clean
@@ -667,9 +669,10 @@ class ChunkEngine:
                     raise ChecksumMismatch(f"{self._where(old)}: ends early")
                 left, src_off, dst_off = left - n, src_off + n, dst_off + n
 
-    def _readers_here(self) -> bool:
-        """Whether short-circuit readers on this host located a version here lately (see "Readers on this host")."""
-        return time.monotonic() - self._located_at < LOCAL_READERS_FOR
+    def _reads_back(self) -> bool:
+        """Whether a reader on this host that reads back what is put located a version here lately (see "Readers on
+        this host")."""
+        return time.monotonic() - self._read_back_at < READ_BACK_FOR
 
     def _held_bytes(self, v: _Version) -> memoryview | None:
         """(Caller holds the lock.) ``v``'s bytes where they are still held in memory, else None. A pinned version
@@ -698,7 +701,7 @@ class ChunkEngine:
         end = offset + len(data)
         if extents is None and offset == 0 and end == new_len:  # the whole new version is the write: one pwrite
             if not self._held.hold(cls, slot, data):
-                self._slots.write(cls, data, base, self._readers_here())
+                self._slots.write(cls, data, base, self._reads_back())
             return array("I", data_blocks)
         self._settle(old)  # its bytes are read or copied below
         crcs = array("I")
@@ -1460,15 +1463,16 @@ class ChunkEngine:
         return loc.path, loc.offset, loc.length, loc.version
 
     def pin_location(self, chunk_id: ChunkId, version: int | None, offset: int, length: int,
-                     nowait: bool = False) -> Location:
+                     nowait: bool = False, reads_back: bool = False) -> Location:
         """Where ``version`` (the committed one if None) lies, with the CRCs of the blocks that bytes
         [offset, offset+length) touch, kept in place (its slot not reused) until ``release()``: a short-circuit
         reader on this host reads the slot file itself while the pin holds (chunkserver/README.md, "Short-circuit
         reads"). A held version is written out first, so this may wait for the disk; ``nowait``: BlockingIOError
         instead. Raises ENOENT as :meth:`read`, and EXDEV for a version with overrides: it lies in several places,
         which one location cannot name, so the reader reads it over the network (until a write makes a fresh
-        base)."""
-        self._located_at = time.monotonic()
+        base). ``reads_back``: the reader reads back what is put (see "Readers on this host")."""
+        if reads_back:
+            self._read_back_at = time.monotonic()
         v = self._pin_version(chunk_id, version)
         try:
             if v.overrides:

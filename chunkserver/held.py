@@ -37,13 +37,13 @@ RETRY_AFTER = 1.0
 class HeldWrites:
     """Up to ``limit`` bytes of held versions. ``write(cls, data, offset, cached)`` writes bytes into a slot file
     (``cached``: through the page cache, for a reader about to read them); ``free(cls, slot)`` frees a slot whose
-    version went away while its bytes were being written out; ``readers_here()`` says whether every write-out
-    should go through the page cache (the engine's short-circuit readers)."""
+    version went away while its bytes were being written out; ``reads_back()`` says whether every write-out
+    should go through the page cache (a reader on this host reads back what is put)."""
 
     def __init__(self, limit: int, lock: threading.Lock, write: Callable[[int, memoryview, int, bool], None],
-                 free: Callable[[int, int], None], readers_here: Callable[[], bool]) -> None:
+                 free: Callable[[int, int], None], reads_back: Callable[[], bool]) -> None:
         self.limit = limit
-        self._readers_here = readers_here
+        self._reads_back = reads_back
         self.bytes = 0
         self._lock = lock
         self._write = write
@@ -153,7 +153,7 @@ class HeldWrites:
     def write_out(self, key: Slot, cached: bool = False) -> None:
         """Write out slot ``key``'s held bytes, if it still has any; or wait for the write-out under way. A slot
         freed meanwhile goes back to the free list once the bytes have landed, so no new version is written into
-        it under them. Through the page cache if ``cached`` (see :meth:`settle`) or ``readers_here()``."""
+        it under them. Through the page cache if ``cached`` (see :meth:`settle`) or ``reads_back()``."""
         with self._lock:
             while key in self._writing:
                 self._written.wait()
@@ -164,7 +164,7 @@ class HeldWrites:
         cls, slot = key
         written = False
         try:
-            self._write(cls, data, slot << cls, cached or self._readers_here())
+            self._write(cls, data, slot << cls, cached or self._reads_back())
             written = True
         finally:
             with self._lock:

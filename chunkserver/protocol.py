@@ -155,6 +155,9 @@ class LocateChunks(msgspec.Struct, array_like=True):
 
     ranges: list[ReadRange]
     boot_id: str
+    #: The caller reads back soon what is put on this host (kvclient beside an inference engine): the server writes
+    #: whole versions through the page cache for a while (chunkserver/README.md, "Direct I/O").
+    reads_back: bool = False
 
 
 class ChunkLocation(msgspec.Struct, array_like=True):

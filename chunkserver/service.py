@@ -800,7 +800,7 @@ class ChunkServer:
 
         def pin(engine: ChunkEngine, r: p.ReadRange, version: int, nowait: bool) -> Location | KvfsError | None:
             try:
-                return engine.pin_location(r.chunk_id, version, r.offset, r.length, nowait)
+                return engine.pin_location(r.chunk_id, version, r.offset, r.length, nowait, req.reads_back)
             except KvfsError as exc:
                 return exc
             except BlockingIOError:

@@ -162,7 +162,8 @@ class ChunkReader:
                 ask.append(k)
         if ask:
             chunks = [(pieces[k].ino, pieces[k].layout, pieces[k].index, 0, pieces[k].layout.chunk_size) for k in ask]
-            for k, loc in zip(ask, await self.storage.locate_many(chunks, self.boot_id)):
+            # reads_back: an engine gets what was put a moment ago, which the servers then keep in the page cache
+            for k, loc in zip(ask, await self.storage.locate_many(chunks, self.boot_id, reads_back=True)):
                 found[k] = loc
                 if loc is not None:
                     self._keep(pieces[k], loc)

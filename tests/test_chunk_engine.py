@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -27,6 +26,7 @@ from kvfs.chunkserver.engine import BLOCK, ChunkEngine, ChunkId, StaleVersion, f
 from kvfs.config import ChunkServerSection
 from kvfs.errors import ChecksumMismatch, KvfsError
 from kvfs.pool import BufferPool, page_aligned
+from page_cache import resident
 from tmpfs import tmpfs
 
 CS = 1 << 20
@@ -669,34 +669,10 @@ def _aligned(data: bytes) -> memoryview:
     return memoryview(buf)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-
-
 def _resident(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> list[bool]:
-    """Whether each page of the chunk's bytes ``[offset, offset + n)`` is in the page cache, by mincore(2) on a
-    mapping of its slot file. A ``RWF_NOWAIT`` read is no probe: on a miss it starts readahead, whose I/O can
-    finish before the read looks again, and then it finds the pages it was to show absent."""
+    """Whether each page of the chunk's bytes ``[offset, offset + n)`` is in the page cache."""
     path, base, _, _ = e.local_location(cid)
-    start = (base + offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    length = base + offset + n - start
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr == ctypes.c_void_p(-1).value:
-            raise OSError(ctypes.get_errno(), "mmap")
-    finally:
-        os.close(fd)
-    try:
-        vec = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
-        if _libc.mincore(addr, length, vec):
-            raise OSError(ctypes.get_errno(), "mincore")
-        return [bool(v & 1) for v in vec]
-    finally:
-        _libc.munmap(addr, length)
+    return resident(path, base + offset, n)
 
 
 def _cached(e: ChunkEngine, cid: ChunkId, offset: int, n: int) -> bool:
@@ -730,11 +706,11 @@ def test_aligned_writes_go_around_the_page_cache(tmp_path: Path, direct_io: bool
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "written-at-once"])
-def test_whole_versions_go_through_the_page_cache_where_readers_on_this_host_read(tmp_path: Path, hold: bool,
-                                                                                 monkeypatch) -> None:
-    """Around the page cache while no short-circuit reader has located anything here; through it once one has
-    (for LOCAL_READERS_FOR seconds), where its next reads find what was just put: a held version a locate writes
-    out, and every whole version written or written out after that."""
+def test_whole_versions_go_through_the_page_cache_where_readers_on_this_host_read_back(tmp_path: Path, hold: bool,
+                                                                                      monkeypatch) -> None:
+    """Around the page cache while no reader that reads back what is put has located anything here (a mount's
+    locate, without ``reads_back``, changes nothing but the held version it writes out); through it once one has
+    (for READ_BACK_FOR seconds), where its next reads find what was just put."""
     chunk = 4 * BLOCK
     data = os.urandom(chunk)
     cids = [ChunkId(7, i) for i in range(4)]
@@ -745,15 +721,24 @@ def test_whole_versions_go_through_the_page_cache_where_readers_on_this_host_rea
             e.flush()
 
         write(cids[0])
-        assert _uncached(e, cids[0], 0, chunk)
+        e.pin_location(cids[0], 1, 0, chunk).release()  # a mount's small read
         e.write_pending(cids[1], 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
         e.commit(cids[1], 1, durable=False)
-        e.pin_location(cids[1], 1, 0, chunk).release()  # held: written out for the reader now
         write(cids[2])
-        assert _cached(e, cids[1], 0, chunk) and _cached(e, cids[2], 0, chunk)
-        monkeypatch.setattr(engine_mod, "LOCAL_READERS_FOR", 0.0)  # the readers went away
+        assert _uncached(e, cids[0], 0, chunk) and _uncached(e, cids[2], 0, chunk)
+        if hold:  # held until the flush above wrote it out, around the cache: written out for a reader, through it
+            assert _uncached(e, cids[1], 0, chunk)
+            e.write_pending(cids[1], 2, 0, _aligned(data), crc32c(data), chunk_size=CS)
+            e.commit(cids[1], 2, durable=False)
+            e.pin_location(cids[1], 2, 0, chunk).release()
+            assert _cached(e, cids[1], 0, chunk)
+        e.pin_location(cids[0], 1, 0, chunk, reads_back=True).release()  # a kvclient's get
         write(cids[3])
-        assert _uncached(e, cids[3], 0, chunk)
+        assert _cached(e, cids[3], 0, chunk)
+        monkeypatch.setattr(engine_mod, "READ_BACK_FOR", 0.0)  # the reader went away
+        cids.append(ChunkId(7, 4))
+        write(cids[4])
+        assert _uncached(e, cids[4], 0, chunk)
         assert all(content(e, cid) == data for cid in cids)
 
 

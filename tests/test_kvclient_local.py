@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from cluster_fixtures import NEEDS_FUSE
+from page_cache import resident
 from kvfs.kvclient import KVClient
 from kvfs.kvclient.gpu import GpuUnavailable
 
@@ -68,6 +69,23 @@ def _located(kv: KVClient, key: str):
         return await core.storage.locate(attr.ino, layout, 0, 0, attr.size, core.reader.boot_id)
 
     return kv._call(locate)
+
+
+def test_what_is_put_after_a_get_lands_in_the_page_cache_of_the_replica_gets_read(kv) -> None:
+    """A kvclient's get tells the servers it located at that it reads back what is put; they then write whole
+    versions through the page cache, so a get of a block put a moment ago reads memory, not the disk."""
+    kv.put("first", random.Random(4).randbytes(256 * 1024))
+    assert kv.get("first") is not None  # located with reads_back
+    kv.put("fresh", random.Random(5).randbytes(256 * 1024))
+    core = kv._core
+
+    async def flush() -> None:  # held versions are written out now, as the next sync would
+        (found,) = await core.lookup_many([b"fresh"])
+        await core.storage.flush(found.attr.ino)
+
+    kv._call(flush)
+    loc = _located(kv, "fresh")
+    assert loc is not None and all(resident(loc.path, loc.file_offset, loc.length))
 
 
 def test_corrupt_block_on_disk_is_caught_and_read_over_the_network(kv) -> None:
