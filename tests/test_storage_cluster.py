@@ -521,7 +521,7 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     engine.close()
 
 
-async def test_chunk_jobs_keep_each_chunks_order_whether_batches_wait_or_not(tmp_path, caplog):
+async def test_chunk_jobs_keep_each_chunks_order_across_batches(tmp_path, caplog):
     """Effects of a chunk run in the order they were made, a batch's after every earlier job of each of its
     chunks and before every later one, chunks of no batch go on meanwhile, and a failing job leaves no queue
     behind."""
@@ -544,7 +544,7 @@ async def test_chunk_jobs_keep_each_chunks_order_whether_batches_wait_or_not(tmp
     a, b, c, d = (ChunkId(7, i) for i in range(4))
     async with trio.open_nursery() as nursery:
         server._nursery = nursery
-        server._in_chunks_order(1, [a, b], functools.partial(job, "ab", gate))  # nothing queued: one task
+        server._in_chunks_order(1, [a, b], functools.partial(job, "ab", gate))  # nothing queued before it
         server._in_chunk_order(1, b, functools.partial(job, "b"))
         server._in_chunks_order(1, [b, c], functools.partial(job, "bc"))  # waits behind "ab" and "b"
         server._in_chunk_order(1, c, functools.partial(job, "c"))
