@@ -394,11 +394,15 @@ def test_idle_shared_buffers_give_their_pages_back_and_stay_usable(arena):
 READ = Method(9113, "test.shm_read", Req, Resp, idempotent=True)
 
 
-async def start_reader(nursery, payload: bytes | memoryview, *, delay: float = 0.0, **kw) -> tuple[RpcServer, str]:
-    """A server whose READ answers with ``payload`` as its data section (after ``delay`` seconds)."""
+async def start_reader(nursery, payload: bytes | memoryview, *, delay: float = 0.0, arrived: trio.Event | None = None,
+                       **kw) -> tuple[RpcServer, str]:
+    """A server whose READ answers with ``payload`` as its data section (after ``delay`` seconds; ``arrived`` is set
+    when a READ comes in)."""
     server = RpcServer(TOKEN, limits=Limits(max_data=8 * MIB), **kw)
 
     async def read(req: Req, data, ctx):
+        if arrived is not None:
+            arrived.set()
         await trio.sleep(delay)
         return Resp(len(payload), b""), payload
 
@@ -440,13 +444,21 @@ async def test_a_server_that_writes_no_answers_into_arenas_answers_over_tcp(nurs
 
 async def test_a_given_up_calls_arena_buffer_stays_out_of_use_until_its_late_answer(nursery):
     payload = pattern(MIB, 9)
-    server, address = await start_reader(nursery, payload, delay=0.3, shared_memory=True)
+    arrived = trio.Event()
+    server, address = await start_reader(nursery, payload, delay=0.3, arrived=arrived, shared_memory=True)
     async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
         conn = await client.connection(address)
-        with trio.move_on_after(0.05):
+        with trio.CancelScope() as call:
+
+            async def give_up_once_the_server_has_it() -> None:  # not on a timer: a busy machine may not have sent it
+                await arrived.wait()
+                call.cancel()
+
+            nursery.start_soon(give_up_once_the_server_has_it)
             await client.call_with_data(address, READ, Req(), into=memoryview(bytearray(MIB)))
         (held,) = conn._held_replies.values()  # the server will still write into it
         assert shm.SHARED.take(MIB) is not held
-        await trio.sleep(0.6)  # the late answer arrived: written, then dropped
-        assert not conn._held_replies
+        with trio.fail_after(30):  # the late answer arrives: written, then dropped
+            while conn._held_replies:
+                await trio.sleep(0.05)
         assert bytes(memoryview(held)[:MIB]) == payload
