@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvfs.pool import BufferPool
 from kvfs.transport.direct import DirectRegion
+from kvfs.transport.shm import SHM_MIN_BYTES
 
 _DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
 
@@ -117,3 +121,30 @@ def as_buffer(value: Any, *, writable: bool) -> memoryview | DeviceSpan:
         raise TypeError("the output buffer is read-only")
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
+
+
+def host_values(bufs: Sequence[memoryview | DeviceSpan], to_host: Callable[[memoryview, DeviceSpan], None],
+                shared: BufferPool | None) -> list[memoryview]:
+    """Values as the chunk servers take them: host bytes, GPU memory copied out with ``to_host(host, span)``. With
+    ``shared`` (the pool of this process's shared memory, where the servers on this host map it) a batch is
+    copied into one of its buffers, back to back: the chain's head then copies the whole batch straight out of it
+    (no loopback TCP) into its own shared memory, holds the versions there until its next flush and forwards
+    them on the same way. A batch too small to gain, or one the pool has no room for, stays where it is."""
+    total = sum(len(buf) for buf in bufs)
+    staged = shared.view(total) if shared is not None and total >= SHM_MIN_BYTES else None
+    if staged is not None and not isinstance(staged.obj, mmap.mmap):  # the pool is spent: a copy gains nothing
+        staged = None
+    out = []
+    at = 0
+    for buf in bufs:
+        if staged is None and not isinstance(buf, DeviceSpan):
+            out.append(buf)
+            continue
+        host = staged[at:at + len(buf)] if staged is not None else memoryview(bytearray(len(buf)))
+        at += len(buf)
+        if isinstance(buf, DeviceSpan):
+            to_host(host, buf)
+        else:
+            host[:] = buf
+        out.append(host)
+    return out

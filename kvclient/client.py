@@ -31,12 +31,13 @@ from kvfs.errors import KvfsError
 from kvfs.meta.client import RemoteMeta
 from kvfs.meta.posix import NAME_MAX, ROOT_INO
 from kvfs.meta.types import Caller, Commit, Found
-from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer
+from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer, host_values
 from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
 from kvfs.kvclient.local import ChunkReader, ObjectRead
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
 from kvfs.rpc import RpcClient
+from kvfs.transport import shm
 from kvfs.transport.direct import DirectRegion
 from kvfs.transport.errors import UnregisteredMemory
 
@@ -339,6 +340,7 @@ class KVClient:
         if short_circuit is None:
             short_circuit = enabled_by_environment()
         self._short_circuit = short_circuit
+        self._shared_memory = config.resolved_shared_memory()
         self._gpu_lock = threading.Lock()
         self._gpu_support: GpuSupport | None = None
         self._gpu: GpuBackend | None = None
@@ -511,18 +513,16 @@ class KVClient:
         if self._closed:
             raise ClientClosed("the client is closed")
 
-    def _value(self, value: Any) -> memoryview:
-        """A value's bytes in host memory: GPU memory is copied out first (chunk servers take host bytes). A value
-        larger than the namespace's capacity could never be kept: ValueTooLarge."""
-        buf = as_buffer(value, writable=False)
+    def _values(self, values: Sequence[Any]) -> list[memoryview]:
+        """The values' bytes in host memory (see :func:`host_values`). A value larger than the namespace's capacity
+        could never be kept: ValueTooLarge."""
+        bufs = [as_buffer(value, writable=False) for value in values]
         capacity = self._policy.capacity_bytes
-        if capacity is not None and len(buf) > capacity:
-            raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
-        if isinstance(buf, DeviceSpan):
-            host = memoryview(bytearray(len(buf)))
-            self._gpu_backend().to_host(host, buf)
-            return host
-        return buf
+        for buf in bufs:
+            if capacity is not None and len(buf) > capacity:
+                raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
+        return host_values(bufs, lambda host, span: self._gpu_backend().to_host(host, span),
+                           shm.SHARED if self._shared_memory else None)
 
     def _out(self, out: Any) -> memoryview | DeviceSpan:
         """An output buffer; for GPU memory the GPU backend is set up first, so a host without one raises
@@ -535,7 +535,7 @@ class KVClient:
 
     def put(self, key: str | bytes, value: Any) -> None:
         self._check_open()
-        (result,) = self._call(self._core.put_many, [(_key(key), self._value(value))])  # type: ignore[union-attr]
+        (result,) = self._call(self._core.put_many, [(_key(key), *self._values([value]))])  # type: ignore[union-attr]
         if result < 0:
             raise KvfsError(f"put of {key!r} failed: {os.strerror(-result)}", -result)
 
@@ -544,7 +544,7 @@ class KVClient:
         self._check_open()
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        items = [(_key(k), self._value(v)) for k, v in zip(keys, values)]
+        items = list(zip(map(_key, keys), self._values(values)))
         with BATCH_SECONDS.labels("put").time():
             return self._call(self._core.put_many, items)  # type: ignore[union-attr]
 

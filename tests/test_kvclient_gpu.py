@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvfs.kvclient import gpu
-from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer, parse_device
+from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer, host_values, parse_device
 from kvfs.errors import KvfsError
 from kvfs.kvclient.gpu import GpuSupport, GpuUnavailable, ReadPath, choose_read_path
 from kvfs.transport.direct import DirectInto, DirectRegion
@@ -277,3 +277,28 @@ async def test_gdr_read_refuses_a_write_that_disagrees_with_the_answer() -> None
     with pytest.raises(KvfsError) as e, backend.staging(4096) as staging:
         await reader._read_direct(1, None, 0, DeviceSpan(region.addr, 4096, 0, region=region), staging)  # type: ignore
     assert e.value.errno == errno.EIO
+
+
+def test_a_batch_of_values_is_copied_back_to_back_into_shared_memory() -> None:
+    """So the chain's head copies the batch out of this process's arena in one piece (kvfs.transport.shm)."""
+    from kvfs.pool import BufferPool
+    from kvfs.transport import shm
+
+    shared = BufferPool(capacity=64 << 20, allocate=shm.PROCESS_ARENA.allocate)
+    values = [memoryview(bytes([i]) * (100_000 + i)) for i in range(3)]
+    copied: list[int] = []
+
+    def to_host(host: memoryview, span: DeviceSpan) -> None:
+        copied.append(span.nbytes)
+        host[:] = b"g" * span.nbytes
+
+    staged = host_values([*values, DeviceSpan(1 << 20, 7, 0)], to_host, shared)
+    assert [bytes(v) for v in staged] == [*map(bytes, values), b"g" * 7] and copied == [7]
+    arena = shm.PROCESS_ARENA.get()
+    assert arena is not None and shm.contiguous_offset(arena, staged) is not None
+    # without shared memory (or for a batch too small to gain) host values stay where they are, GPU ones are copied
+    for pool, batch in ((None, values), (shared, [memoryview(b"x" * 100)])):
+        plain = host_values(batch, to_host, pool)
+        assert all(p.obj is v.obj for p, v in zip(plain, batch))
+    spent = BufferPool(capacity=0, allocate=shm.PROCESS_ARENA.allocate)  # no room: nothing gained by a copy
+    assert all(p.obj is v.obj for p, v in zip(host_values(values, to_host, spent), values))

@@ -201,6 +201,33 @@ async def test_lent_data_goes_through_shared_memory_both_for_calls_and_one_way_s
     assert [p.shared_memory for p in server.peers] in ([True], [])
 
 
+async def test_pieces_back_to_back_in_the_arena_go_as_one_shared_section(nursery, shared):
+    """A batch's values copied into one buffer, or a forward of one received section's pieces: one trailer names
+    them all. Pieces out of order, or with a gap, go over TCP, byte for byte."""
+    server, address, received = await start_server(nursery, shared_memory=True)
+    buf = shared.take(4 * MIB)
+    view = memoryview(buf)
+    view[:] = pattern(4 * MIB)
+    before = shm_bytes()
+    async with RpcClient(TOKEN, limits=Limits(max_data=8 * MIB), shared_memory=True) as client:
+        await client.call(address, LENT, Req(), data=[view[:MIB], view[MIB:MIB + 5], view[MIB + 5:3 * MIB]], lend=True)
+        assert received.data[-1] == pattern(3 * MIB) and shm_bytes() - before == 3 * MIB
+        await client.call(address, LENT, Req(), data=[view[MIB:2 * MIB], view[:MIB]], lend=True)  # out of order
+        await client.call(address, LENT, Req(), data=[view[:MIB], view[MIB + 1:2 * MIB]], lend=True)  # a gap
+    assert shm_bytes() - before == 3 * MIB
+    assert received.data[1:] == [pattern(2 * MIB)[MIB:] + pattern(MIB), pattern(MIB) + pattern(2 * MIB)[MIB + 1:]]
+
+
+def test_contiguous_offset(arena):
+    a = memoryview(arena.allocate(MIB))
+    b = memoryview(arena.allocate(MIB))  # the next buffer of the arena starts where ``a`` ends
+    assert shm.contiguous_offset(arena, [a[:10], a[10:], b[:3]]) == mmap.PAGESIZE
+    assert shm.contiguous_offset(arena, [a[10:20]]) == mmap.PAGESIZE + 10
+    assert shm.contiguous_offset(arena, [a[:10], a[11:20]]) is None
+    assert shm.contiguous_offset(arena, [a[:10], bytearray(10)]) is None
+    assert shm.contiguous_offset(arena, [bytearray(10), a[:10]]) is None
+
+
 async def test_unlent_small_or_foreign_data_stays_on_tcp(nursery, shared):
     server, address, received = await start_server(nursery, shared_memory=True)
     buf = shared.take(MIB)

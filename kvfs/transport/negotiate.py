@@ -177,11 +177,13 @@ class ClientLinks:
     async def share_lent(self, lend: bool, body: bytes, buffers: list[Any], data_len: int, flags: wire.Flags
                          ) -> tuple[bytes, list[Any], int, wire.Flags]:
         """A frame's body, data section and flags, with a lent data section that lies in this process's arena
-        replaced by its shared-memory trailer (flag SHM) when the server maps the arena; else unchanged."""
-        if not lend or not self._shm or self._shm_ok is False or len(buffers) != 1 or data_len < shm.SHM_MIN_BYTES:
+        replaced by its shared-memory trailer (flag SHM) when the server maps the arena; else unchanged. A section
+        of several buffers goes this way when they lie back to back in the arena (a batch's values copied into one
+        buffer, or a forward of the pieces of one received section)."""
+        if not lend or not self._shm or self._shm_ok is False or not buffers or data_len < shm.SHM_MIN_BYTES:
             return body, buffers, data_len, flags
         arena = shm.PROCESS_ARENA.get()
-        if arena is None or (offset := arena.locate(buffers[0])) is None:
+        if arena is None or (offset := shm.contiguous_offset(arena, buffers)) is None:
             return body, buffers, data_len, flags
         if self._shm_ok is None:
             await self._offer_arena(arena)

@@ -174,6 +174,17 @@ class Arena:
         return ShmOffer(boot_id(), self.pid, self.fd, self.capacity, self.nonce)
 
 
+def contiguous_offset(arena: Arena, buffers: list[Any]) -> int | None:
+    """The arena offset of the first of ``buffers`` when all of them lie in ``arena``, each right after the one
+    before, so one trailer names them all; else None."""
+    start = end = arena.locate(buffers[0])
+    for buf in buffers:
+        if end is None or arena.locate(buf) != end:
+            return None
+        end += memoryview(buf).nbytes
+    return start
+
+
 class ShmRefused(Exception):
     """A server cannot map the arena a client offered; the reason goes back in the refusal."""
 
