@@ -386,6 +386,7 @@ class KVClient:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(meta.keep_alive)
                         nursery.start_soon(functools.partial(upkeep.run, sweep=self._sweep))
+                        nursery.start_soon(shm.give_back_idle, 2.0, 5.0)  # put buffers back 5 s after the last put
                         self._ready.set()
                         await self._stop.wait()
                         with trio.move_on_after(self._config.timeouts.call), contextlib.suppress(OSError):
