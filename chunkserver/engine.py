@@ -127,8 +127,9 @@ Readers on this host
 Writes go around the page cache where they can (``direct_io``, chunkserver/README.md), which suits a target
 that only remote clients read. A target that a short-circuit reader on its host which reads back what is put
 (a kvclient beside an inference engine: :meth:`pin_location` with ``reads_back`` within the last
-``READ_BACK_FOR`` seconds) located chunks at writes whole versions through the page cache instead, held ones when
-they are written out: that reader gets what was put a moment ago, and around the cache each such read went to the
+``READ_BACK_FOR`` seconds) located chunks at writes whole versions through the page cache instead, and held ones
+out in the background at once rather than at the next flush (its locate would otherwise write them out first):
+that reader gets what was put a moment ago, and around the cache each such read went to the
 disk, behind the flush that wrote it out. A mount's short-circuit reads do not ask for it: its large sequential
 writes would pay a page-cache copy per byte for reads that seldom follow.
 

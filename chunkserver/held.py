@@ -8,7 +8,9 @@ It shares the engine's lock: its callers hold it where a method says so.
 Past half of ``hold_bytes`` a background thread writes out the oldest held versions, as the kernel's flusher
 threads start on dirty pages at ``dirty_background_ratio``: a stream larger than the limit then reaches the disk
 beside the writers instead of in their path, and a writer waits for the disk itself only when the thread falls
-behind by the other half.
+behind by the other half. Where a reader on this host reads back what is put (``reads_back()``), the thread
+writes every held version out at once, through the page cache: the put's path still does not wait for the
+write, and the reader's locate, which would otherwise write the version out itself, finds it written.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class HeldWrites:
             return False
         with self._lock:
             self._put((cls, slot), data)
-            if self.bytes > self._background:
+            if self._behind():
                 self._wake_write_behind()
         while self.bytes > self.limit:
             with self._lock:
@@ -74,6 +76,12 @@ class HeldWrites:
                 break
             self.write_out(oldest)
         return True
+
+    def _behind(self) -> bool:
+        """(Caller holds the lock.) Whether the write-behind thread has held versions to write out: past half the
+        limit; or any at all where a reader on this host reads back what is put, so that they are in the page
+        cache by the time it comes (written out by its locate instead, it would wait for that write)."""
+        return self.bytes > self._background or (self.bytes > 0 and self._reads_back())
 
     def _wake_write_behind(self) -> None:
         """(Caller holds the lock.) Start the write-behind thread on first need; wake it."""
@@ -86,7 +94,7 @@ class HeldWrites:
     def _write_behind_loop(self) -> None:
         while True:
             with self._lock:
-                while self.bytes <= self._background and not self._stopping.is_set():
+                while not self._behind() and not self._stopping.is_set():
                     self._over_background.wait()
                 if self._stopping.is_set():
                     return

@@ -742,6 +742,29 @@ def test_whole_versions_go_through_the_page_cache_where_readers_on_this_host_rea
         assert all(content(e, cid) == data for cid in cids)
 
 
+def test_held_versions_are_written_out_soon_where_readers_on_this_host_read_back(tmp_path: Path) -> None:
+    """Held until a flush (or half the limit) otherwise; once a reader that reads back what is put has located
+    here, the write-behind thread writes each held version out through the page cache without waiting, so the
+    reader's locate right after the put finds it there instead of writing it out itself."""
+    chunk = 4 * BLOCK
+    data = os.urandom(chunk)
+    a, b = ChunkId(7, 0), ChunkId(7, 1)
+    held = lambda: prometheus_client.REGISTRY.get_sample_value("kvfs_chunk_held_bytes_now")  # noqa: E731
+    with ChunkEngine(tmp_path / "t", write_through=False, hold_bytes=8 * chunk) as e:
+        e.write_pending(a, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+        e.commit(a, 1, durable=False)
+        time.sleep(0.2)
+        assert held() == chunk  # a quarter of the limit: held for the flush
+        e.pin_location(a, 1, 0, chunk, reads_back=True).release()  # a kvclient's get writes it out
+        assert held() == 0
+        e.write_pending(b, 1, 0, _aligned(data), crc32c(data), chunk_size=CS)
+        e.commit(b, 1, durable=False)
+        deadline = time.monotonic() + 10
+        while held() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held() == 0 and _cached(e, b, 0, chunk) and content(e, b) == data
+
+
 def test_direct_length_takes_whole_pages_of_aligned_memory_only() -> None:
     page = mmap.PAGESIZE
     view = _aligned(bytes(3 * page))
