@@ -392,14 +392,13 @@ class StorageClient:
         return (await self.locate_many([(ino, layout, index, within, length)], boot_id))[0]
 
     async def locate_many(self, chunks: Sequence[tuple[int, LayoutLike, int, int, int]],
-                          boot_id: str, reads_back: bool = False, lease: float = 0.0
-                          ) -> list[p.ChunkLocation | None]:
+                          boot_id: str, reads_back: bool = False) -> list[p.ChunkLocation | None]:
         """Where replicas on this host keep the versions that reads of these ranges ``(ino, layout, index,
         within, length)`` would get, pinned for short-circuit reads (``chunk.locate_many``). One call per server
         asked, and as few servers as hold a serving replica of every chunk (loopback ones first), so a batch get
         costs one round trip on a host with one chunk server. None for a chunk no server here locates: the
         caller reads it over the network. Servers that refused once as not local are not asked again.
-        ``reads_back``, ``lease``: see :class:`~kvfs.chunkserver.protocol.LocateChunks`."""
+        ``reads_back``: see :class:`~kvfs.chunkserver.protocol.LocateChunks`."""
         routing = await self.routing()
         ranges: list[p.ReadRange] = []
         holders: list[frozenset[str]] = []  # per chunk: the servers with a serving replica of it
@@ -424,7 +423,7 @@ class StorageClient:
             left.difference_update(group)
             try:
                 reply = await self.rpc.call(address, p.LOCATE_MANY,
-                                            p.LocateChunks([ranges[i] for i in group], boot_id, reads_back, lease),
+                                            p.LocateChunks([ranges[i] for i in group], boot_id, reads_back),
                                             timeout=self._call_timeout)
             except KvfsError as exc:
                 if exc.errno in (errno.EPERM, errno.ENOSYS):  # another host, or a server without chunk.locate_many

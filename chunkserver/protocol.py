@@ -158,9 +158,6 @@ class LocateChunks(msgspec.Struct, array_like=True):
     #: The caller reads back soon what is put on this host (kvclient beside an inference engine): the server writes
     #: whole versions through the page cache for a while (chunkserver/README.md, "Direct I/O").
     reads_back: bool = False
-    #: Seconds the caller wants the versions pinned, so it may read them again without asking (0: the server's
-    #: ``LOCATE_LEASE``); the server grants at most ``MAX_LOCATE_LEASE``.
-    lease: float = 0.0
 
 
 class ChunkLocation(msgspec.Struct, array_like=True):

@@ -93,9 +93,6 @@ _IDLE_TICK = 0.25  # seconds between ticks while no member has anything to time 
 #: Seconds a located version stays pinned for its short-circuit reader, which must have read it by then
 #: (chunkserver/README.md, "Short-circuit reads"); a slot it holds is reused only after that.
 LOCATE_LEASE = 5.0
-#: The longest pin a reader may ask for (``LocateChunks.lease``): a slot a superseded or removed version holds is
-#: reused only after its pins end, so this bounds how long a reader keeps space from being reclaimed.
-MAX_LOCATE_LEASE = 60.0
 _LEASE_SLACK = 0.1  # released this long after the deadline the client checks, so a read at the deadline is covered
 _LEND_FROM = 256 << 10  # reads from this size are loans, taken in a worker thread (chunkserver/README.md, "Reads");
 # for smaller ones a copy from the page cache, inline when cached, costs less than the thread hop
@@ -777,9 +774,9 @@ class ChunkServer:
 
     async def _on_locate_many(self, req: p.LocateChunks, data: Any, ctx: CallContext) -> p.Located:
         """Short-circuit reads: tell a client on this host where the versions a read would serve lie, and keep
-        them there (pinned) for the lease it asks (``LOCATE_LEASE`` by default, at most ``MAX_LOCATE_LEASE``) while
-        the client reads the files itself. Each version is chosen exactly as for a read; one the chain would not
-        serve now is None (the client reads it over the network). A batch's pins are taken inline, those of versions still held in memory in one worker hop (they
+        them there (pinned) for ``LOCATE_LEASE`` seconds while the client reads the files itself. Each version is
+        chosen exactly as for a read; one the chain would not serve now is None (the client reads it over the
+        network). A batch's pins are taken inline, those of versions still held in memory in one worker hop (they
         are written out first), and released together. A client elsewhere gets EPERM and reads over the
         network."""
         if not self._same_host(ctx.peer, req.boot_id):
@@ -818,8 +815,7 @@ class ChunkServer:
             for k, loc in zip(held, settled):
                 pinned[k] = loc
         # the pins must outlive the deadline the client checks against: take the time after pinning
-        lease = min(req.lease, MAX_LOCATE_LEASE) if req.lease > 0 else LOCATE_LEASE
-        deadline = time.monotonic_ns() + int(lease * 1e9)
+        deadline = time.monotonic_ns() + int(LOCATE_LEASE * 1e9)
         releases = [loc.release for loc in pinned if isinstance(loc, Location)]
         if releases:
             assert self._nursery is not None

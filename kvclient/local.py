@@ -48,10 +48,6 @@ FALLBACKS = Counter("kvfs_kvclient_short_circuit_fallbacks",
 
 #: A kept location is not used within this long of its pin's deadline: a read must end before the pin does.
 MARGIN_NS = 500_000_000
-#: Seconds the chunk servers are asked to keep a located version pinned, so its location is kept that long: an
-#: engine reads hot prefix blocks again and again, seconds apart, and each locate is a round trip (about half a
-#: batch get's time). The price: a slot whose version is removed meanwhile (eviction) is reused that much later.
-LOCATE_FOR = 30.0
 #: Past this many kept locations the lapsed ones are forgotten (all of them, if that is not enough): each keeps
 #: a whole chunk's block CRCs.
 KEEP_AT = 4096
@@ -167,8 +163,7 @@ class ChunkReader:
         if ask:
             chunks = [(pieces[k].ino, pieces[k].layout, pieces[k].index, 0, pieces[k].layout.chunk_size) for k in ask]
             # reads_back: an engine gets what was put a moment ago, which the servers then keep in the page cache
-            for k, loc in zip(ask, await self.storage.locate_many(chunks, self.boot_id, reads_back=True,
-                                                                      lease=LOCATE_FOR)):
+            for k, loc in zip(ask, await self.storage.locate_many(chunks, self.boot_id, reads_back=True)):
                 found[k] = loc
                 if loc is not None:
                     self._keep(pieces[k], loc)

@@ -8,14 +8,12 @@ import errno
 import os
 import random
 import signal
-import time
 from collections import Counter
 
 import pytest
 
 from cluster_fixtures import NEEDS_FUSE, started
 from kvfs.chunkserver import protocol as p
-from kvfs.chunkserver.service import LOCATE_LEASE, MAX_LOCATE_LEASE
 from kvfs.kvclient import KVClient, ShortObject
 from test_kvclient_local import local_bytes
 
@@ -63,25 +61,10 @@ def test_a_batch_get_locates_with_one_call_per_chunk_server_and_a_repeat_asks_no
     assert local_bytes() - before == sum(map(len, values))  # every chunk from this host's replicas
     servers = len(set(kv._call(kv._core.storage.routing).addresses.values()))
     assert 1 <= sum(calls.values()) <= servers and max(calls.values()) == 1
-    kept = [deadline for _, _, deadline in kv._core.reader._kept.values()]
-    assert kept and min(kept) - time.monotonic_ns() > LOCATE_LEASE * 1e9  # pinned for longer than a mount asks
     calls.clear()
     outs = [bytearray(len(v)) for v in values]
     assert kv.batch_get_into(keys, outs) == [len(v) for v in values]  # within the pins: the kept locations
     assert [bytes(o) for o in outs] == values and not calls
-
-
-@pytest.mark.parametrize(("asked", "granted"), [(0.0, LOCATE_LEASE), (20.0, 20.0), (1e9, MAX_LOCATE_LEASE),
-                                                (float("inf"), MAX_LOCATE_LEASE), (-1.0, LOCATE_LEASE),
-                                                (float("nan"), LOCATE_LEASE)])
-def test_a_locate_pins_for_the_lease_asked_up_to_the_servers_limit(kv, asked: float, granted: float) -> None:
-    kv.put("obj", b"y" * 300_000)
-    (found,) = kv._call(kv._core.lookup_many, [b"obj"])
-    start = time.monotonic_ns()
-    (loc,) = kv._call(kv._core.storage.locate_many, [(found.attr.ino, found.layout, 0, 0, found.layout.chunk_size)],
-                      kv._core.reader.boot_id, False, asked)
-    end = time.monotonic_ns()
-    assert loc is not None and start + granted * 1e9 <= loc.deadline_ns <= end + granted * 1e9
 
 
 def test_a_kept_location_is_dropped_when_the_object_changes(kv) -> None:
