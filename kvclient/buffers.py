@@ -122,7 +122,6 @@ def as_buffer(value: Any, *, writable: bool) -> memoryview | DeviceSpan:
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
-
 def host_values(bufs: Sequence[memoryview | DeviceSpan], to_host: Callable[[memoryview, DeviceSpan], None],
                 shared: BufferPool | None) -> list[memoryview]:
     """Values as the chunk servers take them: host bytes, GPU memory copied out with ``to_host(host, span)``. With
