@@ -386,6 +386,11 @@ class WriteBack:
         buffer and is kept for the handle's writer, as with a background flush: a reader that triggered the
         flush does not get it."""
         await self._wait_inflight(h)
+        if h.runs is not None and 0 < h.buf_len < SPARSE_WRITE:
+            # A small buffer beside gathered runs (the first write after a flush starts a buffer, the scattered
+            # ones after it are gathered) goes with them: one chain round, not two in a row
+            h.runs.add(h.buf_off, memoryview(h.buf)[:h.buf_len])
+            h.buf_len = 0
         await self._flush_gathered(h)  # never the same bytes as the buffer: a write to one sends the other out first
         if not h.buf_len:
             return
