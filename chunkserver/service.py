@@ -506,6 +506,15 @@ class ChunkServer:
         if len(chunk_ids) == 1:
             self._in_chunk_order(target_id, chunk_ids[0], job)
             return
+        keys = [(target_id, chunk_id) for chunk_id in chunk_ids]
+        if not any(key in self._chunk_queues for key in keys):
+            # None of them has work queued (a batch of new writes, the usual case): one task runs the job, holding
+            # each chunk's queue meanwhile, where a task per chunk would cost more than many a job itself
+            for key in keys:
+                self._chunk_queues[key] = collections.deque([job])
+            assert self._nursery is not None
+            self._nursery.start_soon(self._run_batch, keys, job)
+            return
         left = len(chunk_ids)
         done = trio.Event()
 
@@ -537,15 +546,33 @@ class ChunkServer:
     async def _drain_chunk_queue(self, key: tuple[int, ChunkId], queue: collections.deque[Callable[[], Any]]) -> None:
         try:
             while queue:
-                try:
-                    await queue[0]()
-                except KvfsError as exc:
-                    log.error("target %s chunk %s: %s", key[0], key[1], exc.message)
-                except Exception:  # one chunk's failure must not stop the server's other work
-                    log.exception("target %s chunk %s: effect failed", key[0], key[1])
+                await self._run_job(key, queue[0])
                 queue.popleft()
         finally:
             del self._chunk_queues[key]
+
+    async def _run_batch(self, keys: list[tuple[int, ChunkId]], job: Callable[[], Awaitable[Any]]) -> None:
+        """Run a batch's job that heads every one of its chunks' queues, then let each queue go on."""
+        try:
+            await self._run_job(keys[0], job)
+        finally:
+            assert self._nursery is not None
+            for key in keys:
+                queue = self._chunk_queues[key]
+                queue.popleft()
+                if queue:
+                    self._nursery.start_soon(self._drain_chunk_queue, key, queue)
+                else:
+                    del self._chunk_queues[key]
+
+    @staticmethod
+    async def _run_job(key: tuple[int, ChunkId], job: Callable[[], Any]) -> None:
+        try:
+            await job()
+        except KvfsError as exc:
+            log.error("target %s chunk %s: %s", key[0], key[1], exc.message)
+        except Exception:  # one chunk's failure must not stop the server's other work
+            log.exception("target %s chunk %s: effect failed", key[0], key[1])
 
     async def _persist_many(self, target_id: int, effects: list[PersistPending]) -> None:
         """Stage the versions of a batch (one worker hop, one transaction; chunkserver/README.md, "The driver")

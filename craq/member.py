@@ -396,6 +396,7 @@ class ChainMember:
         self.retransmit_scan_every = retransmit_scan_every
         self._last_scan = 0.0
         self.config: ChainConfig | None = None
+        self._chain: list[int] = []  # the config's write chain, head first: asked several times per update
         self.lease_until = 0.0
         self.now = 0.0
         self._chunks: dict[ChunkId, _Chunk] = {}
@@ -764,6 +765,7 @@ class ChainMember:
             return []
         was_syncing = self.state is TargetState.SYNCING
         self.config = cfg
+        self._chain = cfg.write_chain()
         self._resync = None
         effects: list[Effect] = []
         state = self.state
@@ -978,7 +980,7 @@ class ChainMember:
         return c
 
     def _write_chain(self) -> list[int]:
-        return self.config.write_chain() if self.config else []
+        return self._chain
 
     def _neighbour(self, step: int) -> int | None:
         chain = self._write_chain()
