@@ -24,7 +24,6 @@ import trio
 
 from . import schema
 from kvfs.kv import Database, KeyValue, Transaction
-from kvfs.kv.keys import unpack
 from .types import Change, ChangePage
 
 P = ParamSpec("P")
@@ -48,10 +47,9 @@ class _Tracked(Transaction):
 
     def _note(self, key: bytes) -> None:
         if key.startswith(schema.INODE_PREFIX):
-            self.inodes.add(unpack(key)[2])
+            self.inodes.add(schema.inode_of(key))
         elif key.startswith(schema.DENTRY_PREFIX):
-            _, _, parent, name = unpack(key)
-            self.entries.add((parent, name))
+            self.entries.add(schema.dentry_of(key))
 
     def get(self, key: bytes, snapshot: bool = False) -> bytes | None:
         return self.tr.get(key, snapshot)

@@ -22,7 +22,7 @@ key                            value
 
 from __future__ import annotations
 
-from kvfs.kv.keys import pack, prefix_range
+from kvfs.kv.keys import pack, pack_bytes, pack_uint, prefix_range, unpack, unpack_uint, unpack_uint_bytes
 
 NS = "meta"
 FORMAT = pack(NS, "format")
@@ -30,17 +30,33 @@ INODE_COUNT = pack(NS, "n", "inodes")
 GC_RANGE = prefix_range(NS, "g")
 INODE_PREFIX = pack(NS, "i")
 DENTRY_PREFIX = pack(NS, "d")
+SESSION_PREFIX = pack(NS, "s")
 FEED = pack(NS, "f")  # followed by a raw commit-ordered stamp, not a tuple element
 FEED_RANGE = prefix_range(NS, "f")
 FEED_FLOOR = pack(NS, "F")
 
 
 def inode(ino: int) -> bytes:
-    return pack(NS, "i", ino)
+    return INODE_PREFIX + pack_uint(ino)
 
 
 def dentry(parent: int, name: bytes) -> bytes:
-    return pack(NS, "d", parent, name)
+    return DENTRY_PREFIX + pack_uint(parent) + pack_bytes(name)
+
+
+def inode_of(key: bytes) -> int:
+    """The inode number of an :func:`inode` key."""
+    ino = unpack_uint(key, len(INODE_PREFIX))
+    return unpack(key)[2] if ino is None else ino
+
+
+def dentry_of(key: bytes) -> tuple[int, bytes]:
+    """``(parent, name)`` of a :func:`dentry` key."""
+    found = unpack_uint_bytes(key, len(DENTRY_PREFIX))
+    if found is None:
+        _, _, parent, name = unpack(key)
+        return parent, name
+    return found
 
 
 def dir_range(parent: int) -> tuple[bytes, bytes]:
@@ -56,7 +72,7 @@ def xattr_range(ino: int) -> tuple[bytes, bytes]:
 
 
 def session(ino: int, sid: int) -> bytes:
-    return pack(NS, "s", ino, sid)
+    return SESSION_PREFIX + pack_uint(ino) + pack_uint(sid)
 
 
 def session_range(ino: int) -> tuple[bytes, bytes]:

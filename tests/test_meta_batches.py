@@ -140,10 +140,10 @@ def test_touch_atimes_sets_access_times_it_may_set(ms, now):
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.sampled_from([b"k%d" % i for i in range(6)]), max_size=6, unique=True),
-                min_size=1, max_size=4))
-def test_interleaved_batches_leave_one_complete_value_per_name(tmp_path_factory, batches):
-    """Batches begun together and committed in any order: every name ends with the value of the first commit
-    that named it, and no temporary file stays."""
+                min_size=1, max_size=4), st.booleans())
+def test_interleaved_batches_leave_one_complete_value_per_name(tmp_path_factory, batches, together):
+    """Batches begun together and committed in any order, one commit call each or (``together``) all in one:
+    every name ends with the value of the first commit that named it, and no temporary file stays."""
     from kvfs.kv.sqlite import SqliteDatabase
 
     db = SqliteDatabase(str(tmp_path_factory.mktemp("db") / "meta.db"))
@@ -157,10 +157,11 @@ def test_interleaved_batches_leave_one_complete_value_per_name(tmp_path_factory,
             begun.append([Commit(b".put-%d-%s" % (n, k), k, o.attr.ino, o.session, n + 1)
                           for k, o in zip(batch, opened) if o])
         winner: dict[bytes, int] = {}
-        for n, commits in reversed(list(enumerate(begun))):
+        calls = [[c for commits in reversed(begun) for c in commits]] if together else list(reversed(begun))
+        for commits in calls:
             for c, result in zip(commits, ms.commit_puts(ALICE, d, commits)):
                 assert result == (-errno.EEXIST if c.name in winner else 0)
-                winner.setdefault(c.name, n + 1)
+                winner.setdefault(c.name, c.length)
         assert sorted(names(ms, d)) == sorted(winner)
         assert [f.attr.size for f in ms.batch_lookup(ALICE, d, sorted(winner))] == [winner[k] for k in sorted(winner)]
         assert check(db) == []

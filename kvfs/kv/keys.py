@@ -41,23 +41,56 @@ def pack(*parts: Any) -> bytes:
     for part in parts:
         kind = type(part)
         if kind is int and 0 <= part < _MAX_SHORT_INT:
-            if part == 0:
-                out.append(b"\x14")
-            else:
-                size = (part.bit_length() + 7) // 8
-                out.append(bytes((0x14 + size,)) + part.to_bytes(size, "big"))
+            out.append(pack_uint(part))
         elif kind is str:
             out.append(_encode_str(part))
         elif kind is bytes:
-            out.append(b"\x01" + part.replace(b"\x00", b"\x00\xff") + b"\x00")
+            out.append(pack_bytes(part))
         else:
             return _tuple.pack(parts)
     return b"".join(out)
 
 
+def pack_uint(value: int) -> bytes:
+    """One tuple element: an integer (what :func:`pack` makes of it), for the keys built on every metadata
+    operation (a prefix and an element or two) without ``pack``'s loop. Short for one below 2**64 - 1."""
+    if value == 0:
+        return b"\x14"
+    if not 0 < value < _MAX_SHORT_INT:
+        return _tuple.pack((value,))
+    size = (value.bit_length() + 7) // 8
+    return bytes((0x14 + size,)) + value.to_bytes(size, "big")
+
+
+def pack_bytes(value: bytes) -> bytes:
+    """One tuple element: a byte string."""
+    return b"\x01" + value.replace(b"\x00", b"\x00\xff") + b"\x00"
+
+
 def unpack(key: bytes) -> tuple[Any, ...]:
     """Inverse of :func:`pack`."""
     return _tuple.unpack(key)
+
+
+def unpack_uint_bytes(key: bytes, at: int) -> tuple[int, bytes] | None:
+    """The non-negative integer and the byte string without NULs that follow ``key[:at]`` and end it (a directory
+    entry's parent and name), or None where the key is not of that shape: a hot path's shortcut past
+    :func:`unpack`, which its callers fall back to."""
+    code = key[at] - 0x14 if at < len(key) else -1
+    end = at + 1 + code
+    if not 0 <= code <= 8 or end >= len(key) or key[end] != 0x01 or key[-1] != 0:
+        return None
+    name = key[end + 1:-1]
+    return None if b"\x00" in name else (int.from_bytes(key[at + 1:end], "big"), name)
+
+
+def unpack_uint(key: bytes, at: int) -> int | None:
+    """The non-negative integer that follows ``key[:at]`` and ends it (an inode number), or None where the key
+    is not of that shape."""
+    code = key[at] - 0x14 if at < len(key) else -1
+    if not 0 <= code <= 8 or at + 1 + code != len(key):
+        return None
+    return int.from_bytes(key[at + 1:], "big")
 
 
 def prefix_range(*parts: Any) -> tuple[bytes, bytes]:

@@ -14,9 +14,10 @@ from kvfs.errors import KvfsError
 from kvfs.kv import Transaction
 from kvfs.meta.api import MAX_BATCH
 from kvfs.meta.ops.files import FileOps
-from kvfs.meta.posix import RENAME_NOREPLACE, W_OK, X_OK, check_name, errno_error, require_access
-from kvfs.meta.records import get_child, get_entries, get_entry, get_inodes, put_inode
-from kvfs.meta.types import Caller, Commit, Found, Opened
+from kvfs.meta import schema
+from kvfs.meta.posix import W_OK, X_OK, check_name, errno_error, require_access, require_sticky
+from kvfs.meta.records import encoder, get_child, get_entries, get_entry, get_inodes, put_inode
+from kvfs.meta.types import Caller, Commit, DirEntry, Found, Inode, Opened
 
 _PUT_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL
 
@@ -85,18 +86,38 @@ class BatchOps(FileOps):
     def _commit_puts(self, tr: Transaction, caller: Caller, parent: int, commits: list[Commit]) -> list[int]:
         pdir = self._dir(tr, caller, parent)
         require_access(caller, pdir.attr, W_OK | X_OK)  # what the removal or rename below would check
-        return [self._per_name(self._commit_one, tr, caller, parent, c) for c in commits]
+        found = iter(get_entries(tr, parent, [name for c in commits for name in (c.temp, c.name)]))  # read at once
+        changed: set[bytes] = set()  # names an earlier commit changed since, which those reads could not see
+        results = []
+        for c in commits:
+            temp, existing = next(found), next(found)
+            if c.temp in changed or c.name in changed:
+                temp, existing = get_entry(tr, parent, c.temp), get_entry(tr, parent, c.name)
+            result = self._per_name(self._commit_one, tr, caller, pdir, c, temp, existing)
+            if result in (0, -errno.EEXIST):
+                changed.update((c.temp, c.name))
+            results.append(result)
+        if changed:
+            self._touch(pdir)
+            put_inode(tr, pdir)
+        return results
 
-    def _commit_one(self, tr: Transaction, caller: Caller, parent: int, commit: Commit) -> int:
+    def _commit_one(self, tr: Transaction, caller: Caller, pdir: Inode, commit: Commit, temp: DirEntry | None,
+                    existing: DirEntry | None) -> int:
+        """One commit in directory ``pdir`` (stored by the caller) given its temporary file's entry and its name's:
+        the rename as ``EntryOps._rename`` makes it of a file within one directory, without reading again what the
+        batch read."""
         inode = self._sessions.writer_inode(tr, commit.ino, commit.session)
-        entry = get_entry(tr, parent, commit.temp)
-        if entry is None or entry.ino != commit.ino:
+        if temp is None or temp.ino != commit.ino:
             raise errno_error(errno.ENOENT, f"temporary file {commit.temp!r} is gone")
-        self._sessions.end(tr, inode, commit.session, commit.length)
-        if get_entry(tr, parent, commit.name) is not None:
-            self._remove(tr, caller, parent, commit.temp, False)
+        require_sticky(caller, pdir, inode)  # what the rename or the removal checks, before anything changes
+        self._sessions.end(tr, inode, commit.session, commit.length)  # stores the inode, its change time set
+        parent = pdir.attr.ino
+        if existing is not None:
+            self._remove(tr, caller, parent, commit.temp, False, parent_inode=pdir)
             return -errno.EEXIST
-        self._rename(tr, caller, parent, commit.temp, parent, commit.name, RENAME_NOREPLACE)
+        tr.clear(schema.dentry(parent, commit.temp))
+        tr.set(schema.dentry(parent, commit.name), encoder.encode(temp))
         return 0
 
     def batch_unlink(self, caller: Caller, parent: int, names: list[bytes]) -> list[int]:
