@@ -61,7 +61,7 @@ class BatchOps(FileOps):
 
     def _begin_puts(self, tr: Transaction, caller: Caller, parent: int, puts: list[tuple[bytes, bytes, int]],
                     mode: int) -> list[Opened | None]:
-        self._dir(tr, caller, parent)
+        pdir = self._dir(tr, caller, parent)
         opened: list[Opened | None] = []
         existing = get_entries(tr, parent, [name for name, _, _ in puts])  # all read at once
         made: set[bytes] = set()  # temporary files made since, which those reads could not see
@@ -69,9 +69,12 @@ class BatchOps(FileOps):
             if entry is not None or name in made:
                 opened.append(None)
                 continue
+            inode = self._make(tr, caller, parent, temp, stat.S_IFREG | (mode & 0o7777), ino, written=True,
+                               parent_inode=pdir)
             made.add(temp)
-            inode = self._make(tr, caller, parent, temp, stat.S_IFREG | (mode & 0o7777), ino, written=True)
             opened.append(Opened(inode.attr, self._sessions.start(tr, caller, inode, _PUT_FLAGS), inode.layout))
+        if made:
+            put_inode(tr, pdir)
         return opened
 
     def commit_puts(self, caller: Caller, parent: int, commits: list[Commit]) -> list[int]:
