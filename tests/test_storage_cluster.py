@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import re
@@ -518,6 +519,32 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
     assert await server._engine_data(engine, chunk, 0, length, 2, ctx) == b""
     for release in ctx._after_reply:
         release()
+    engine.close()
+
+
+async def test_located_pins_are_released_after_their_lease_and_all_when_the_server_stops(tmp_path):
+    """One task releases every locate's pins: each once its deadline (and the slack) has passed, in the order
+    taken, never before; those left when the server stops go then."""
+    import time
+    from kvfs.chunkserver.engine import ChunkEngine
+    from kvfs.chunkserver.service import ChunkServer
+
+    engine = ChunkEngine(tmp_path / "target", fsync=False)
+    server = ChunkServer(1, "127.0.0.1:1", {1: engine}, None, None)  # type: ignore[arg-type]
+    released: list[str] = []
+    now = time.monotonic_ns()
+    for name, after in (("soon", 0.05), ("later", 0.3), ("never", 600.0), ("queued", 600.0)):
+        server._located.send_nowait((now + int(after * 1e9), [functools.partial(released.append, name)]))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server._release_located)
+        await trio.sleep(0.1)
+        assert released == []  # the slack after a deadline: a read right at it is still covered
+        await trio.sleep(0.15)
+        assert released == ["soon"]
+        await trio.sleep(0.3)
+        assert released == ["soon", "later"]
+        nursery.cancel_scope.cancel()
+    assert released == ["soon", "later", "never", "queued"]
     engine.close()
 
 
