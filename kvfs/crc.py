@@ -65,15 +65,19 @@ _T0, _T1, _T2, _T3 = _shift_tables(BLOCK)
 
 
 def fold_crc(blocks: array | list[int], length: int) -> int:
-    """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`)."""
-    total = blocks[0] if len(blocks) else 0
-    for i in range(1, len(blocks)):
-        n = min(BLOCK, length - i * BLOCK)  # only the final piece may be short: shift by its own length
-        if n == BLOCK:
-            shifted = _T0[total & 0xFF] ^ _T1[(total >> 8) & 0xFF] ^ _T2[(total >> 16) & 0xFF] ^ _T3[total >> 24]
-        else:
-            shifted = crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n])
-        total = shifted ^ blocks[i]
+    """CRC32C of ``length`` bytes from the CRCs of their BLOCK-sized pieces (see :func:`_shift_tables`). Every
+    write's version folds its chunk's block CRCs (64 for 4 MiB), so the loop over whole blocks is kept bare."""
+    count = len(blocks)
+    if not count:
+        return 0
+    t0, t1, t2, t3 = _T0, _T1, _T2, _T3
+    total = blocks[0]
+    whole = min(count, length // BLOCK)  # blocks of BLOCK bytes: all but a short last one
+    for i in range(1, whole):
+        total = t0[total & 0xFF] ^ t1[(total >> 8) & 0xFF] ^ t2[(total >> 16) & 0xFF] ^ t3[total >> 24] ^ blocks[i]
+    if 0 < whole < count:  # the short last piece: shifted by its own length
+        n = length - whole * BLOCK
+        total = crc32c(_ZEROS[:n], value=total) ^ crc32c(_ZEROS[:n]) ^ blocks[whole]
     return total
 
 
