@@ -524,7 +524,8 @@ async def test_a_read_whose_version_went_before_the_engine_pinned_it_retries_or_
 
 async def test_located_pins_are_released_after_their_lease_and_all_when_the_server_stops(tmp_path):
     """One task releases every locate's pins: each once its deadline (and the slack) has passed, in the order
-    taken, never before; those left when the server stops go then."""
+    taken, never before, and many whose deadlines have passed at once (a busy server's) together; those left when
+    the server stops go then."""
     import time
     from kvfs.chunkserver.engine import ChunkEngine
     from kvfs.chunkserver.service import ChunkServer
@@ -533,18 +534,20 @@ async def test_located_pins_are_released_after_their_lease_and_all_when_the_serv
     server = ChunkServer(1, "127.0.0.1:1", {1: engine}, None, None)  # type: ignore[arg-type]
     released: list[str] = []
     now = time.monotonic_ns()
-    for name, after in (("soon", 0.05), ("later", 0.3), ("never", 600.0), ("queued", 600.0)):
+    burst = [f"burst{i}" for i in range(1000)]  # a second of locates, all due at the same moment
+    for name, after in (("soon", 0.05), *((b, 0.05) for b in burst), ("later", 0.3), ("never", 600.0),
+                        ("queued", 600.0)):
         server._located.send_nowait((now + int(after * 1e9), [functools.partial(released.append, name)]))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server._release_located)
         await trio.sleep(0.1)
         assert released == []  # the slack after a deadline: a read right at it is still covered
         await trio.sleep(0.15)
-        assert released == ["soon"]
+        assert released == ["soon", *burst]
         await trio.sleep(0.3)
-        assert released == ["soon", "later"]
+        assert released == ["soon", *burst, "later"]
         nursery.cancel_scope.cancel()
-    assert released == ["soon", "later", "never", "queued"]
+    assert released == ["soon", *burst, "later", "never", "queued"]
     engine.close()
 
 
