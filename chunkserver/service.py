@@ -847,10 +847,14 @@ class ChunkServer:
                 pinned[k] = loc
         # the pins must outlive the deadline the client checks against: take the time after pinning
         deadline = time.monotonic_ns() + int(LOCATE_LEASE * 1e9)
-        releases = [loc.release for loc in pinned if isinstance(loc, Location)]
-        if releases:
-            self._located.send_nowait((deadline, releases))
-            LOCATED.inc(len(releases))
+        pins: dict[ChunkEngine, list[object]] = {}
+        for (_, engine, _, _), loc in zip(chosen, pinned):
+            if isinstance(loc, Location):
+                pins.setdefault(engine, []).append(loc.pin)
+        if pins:
+            self._located.send_nowait((deadline, [functools.partial(engine.release_pins, held)
+                                                  for engine, held in pins.items()]))
+            LOCATED.inc(sum(map(len, pins.values())))
         for (i, engine, r, version), loc in zip(chosen, pinned):
             if isinstance(loc, Location):
                 located[i] = p.ChunkLocation(loc.version, str(loc.path), loc.offset, loc.length, loc.first_block,

@@ -214,14 +214,17 @@ def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_pat
         assert [content(e, x) for x in (C, d, f)] == [b"b" * 100, b"c" * 100, b"d" * 100]
 
 
-def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path) -> None:
+@pytest.mark.parametrize("together", [False, True])
+def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path, together: bool) -> None:
     """A short-circuit reader reads the slot file while the server holds the pin: a newer version's commit must not
-    let another chunk reuse the slot before ``release()``; afterwards it may."""
+    let another chunk reuse the slot before ``release()`` (or, ``together``, ``release_pins`` of every pin of the
+    version); afterwards it may."""
     d = ChunkId(8, 0)
     data = os.urandom(3 * BLOCK + 5)
     with ChunkEngine(tmp_path / "t", fsync=False) as e:
         put(e, C, 1, 0, data)
         loc = e.pin_location(C, 1, BLOCK + 3, BLOCK)
+        again = e.pin_location(C, 1, 0, 10) if together else None
         assert (loc.version, loc.length, loc.first_block) == (1, len(data), 1)
         assert loc.block_crcs == [crc32c(data[BLOCK : 2 * BLOCK]), crc32c(data[2 * BLOCK : 3 * BLOCK])]
         put(e, C, 2, 0, b"x" * 100, full_replace=True)  # replaces v1: its slot is retired, but pinned
@@ -229,7 +232,13 @@ def test_pinned_location_keeps_its_slot_until_released(tmp_path: Path) -> None:
         assert e.local_location(d)[1] != loc.offset
         with open(loc.path, "rb") as f:
             assert os.pread(f.fileno(), len(data), loc.offset) == data
-        loc.release()
+        if again is not None:
+            e.release_pins([loc.pin])
+            put(e, ChunkId(10, 0), 1, 0, os.urandom(len(data)))  # the other pin still holds the slot
+            assert e.local_location(ChunkId(10, 0))[1] != loc.offset
+            e.release_pins([again.pin])
+        else:
+            loc.release()
         put(e, ChunkId(9, 0), 1, 0, b"y" * len(data))
         assert e.local_location(ChunkId(9, 0))[1] == loc.offset
         with pytest.raises(KvfsError) as err:
