@@ -15,7 +15,7 @@ from kvfs.errors import AuthError, KvfsError
 from kvfs.meta.client import RemoteMeta
 from kvfs.meta.types import Caller
 from kvfs.rpc import RpcClient, parse_address
-from kvfs.service import serve_http, setup_logging
+from kvfs.service import freeze_after_full_collections, serve_http, setup_logging
 from kvfs.transport import shm
 
 from .mount import run_mount
@@ -28,6 +28,7 @@ def serve_mount(config: ClusterConfig, mountpoint: str, *, log_level: str = "INF
     """Mount until SIGTERM/SIGINT or an external unmount; with ``http`` (host:port, port 0: any), serve
     ``/metrics`` there too (how many calls reach meta: ``kvfs_meta_client_calls_total``)."""
     setup_logging(log_level)
+    freeze_after_full_collections()  # its caches of inodes and entries are long-lived state too
     if not config.meta or not config.mgmtd:
         raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses to mount")
     token = config.resolved_token()

@@ -1,4 +1,5 @@
-"""What every kvfs server process shares: logging, signals, and the metrics/health endpoint.
+"""What every kvfs server process shares: logging, signals, the metrics/health endpoint, and how the process's
+garbage collector treats long-lived state.
 
 The HTTP endpoint is a few lines of trio rather than ``prometheus_client.start_http_server`` so that it lives
 in the service's nursery like every other task, instead of in a stray thread.
@@ -6,10 +7,12 @@ in the service's nursery like every other task, instead of in a stray thread.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +22,41 @@ import trio
 from kvfs.errors import KvfsError
 
 log = logging.getLogger("kvfs.service")
+
+GC_PAUSE_SECONDS = prometheus_client.Histogram(
+    "kvfs_gc_pause_seconds", "Garbage collections of this process by generation, and how long each stopped it",
+    ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+
+
+def freeze_after_full_collections() -> None:
+    """Keep what survives a full collection out of every later one.
+
+    A server's long-lived state is Python objects, several per chunk or inode (a chunk engine's versions, a chain
+    member's chunk records), and a full collection walks all of them: its pause grows with the data a server
+    holds (``benchmarks/gc_pause.py``) until it stalls every chain through the server and, past the heartbeat
+    timeout, mgmtd takes the server for dead. Everything alive at the end of a full collection has just been
+    found reachable, so it is frozen (``gc.freeze``): later full collections walk only what was made since.
+    The price: a reference cycle among objects frozen while alive that becomes garbage later is never freed.
+    The servers' long-lived state is freed by reference counting, and such cycles are rare (benchmarks/RESULTS.md
+    counts what full collections of busy chunk servers find). Only for processes kvfs owns: kvclient, a library
+    inside someone else's process, leaves that process's collector alone."""
+    if _on_collection not in gc.callbacks:
+        gc.callbacks.append(_on_collection)
+
+
+_collection_started = 0.0
+
+
+def _on_collection(phase: str, info: dict[str, int]) -> None:
+    global _collection_started
+    if phase == "start":
+        _collection_started = time.perf_counter()
+        return
+    generation = info["generation"]
+    GC_PAUSE_SECONDS.labels(str(generation)).observe(time.perf_counter() - _collection_started)
+    if generation == 2:
+        gc.freeze()
 
 
 def setup_logging(level: str = "INFO") -> None:
@@ -108,6 +146,7 @@ async def until_signalled(scope: trio.CancelScope) -> None:
 
 def run_service(main: Callable[[], Awaitable[None]]) -> None:
     """Run a service's main coroutine under trio until it returns or a stop signal arrives."""
+    freeze_after_full_collections()
 
     async def wrapper() -> None:
         async with trio.open_nursery() as nursery:
