@@ -584,6 +584,7 @@ def test_the_head_queues_writes_of_several_clients_and_answers_each():
         chain.run(1, chain.members[1].handle(write(b"w%d" % client, client_id=client)))
     chain.deliver_all()
     assert sorted((r.client_id, r.version) for r in chain.replies) == [(7, 1), (8, 2), (9, 3)]
+    assert chain.members[1]._chunks[CID].queue is None  # emptied, given back: a server holds a record per chunk
 
 
 def test_a_failed_write_lets_the_queued_one_start():
@@ -597,6 +598,7 @@ def test_a_failed_write_lets_the_queued_one_start():
     chain.full = set()
     chain.deliver_all()
     assert sorted((r.client_id, r.errno, r.version) for r in chain.replies) == [(7, errno.ENOSPC, 0), (8, 0, 1)]
+    assert chain.members[1]._chunks[CID].queue is None
 
 
 def test_a_write_of_several_crc_blocks_passes_the_member_checks():
