@@ -399,6 +399,7 @@ class ChainMember:
         self._last_scan = 0.0
         self.config: ChainConfig | None = None
         self._chain: list[int] = []  # the config's write chain, head first: asked several times per update
+        self._state: TargetState | None = None  # this target's state in the config: asked at every message
         self.lease_until = 0.0
         self.now = 0.0
         self._chunks: dict[ChunkId, _Chunk] = {}
@@ -425,7 +426,7 @@ class ChainMember:
 
     @property
     def state(self) -> TargetState | None:
-        return self.config.state_of(self.target_id) if self.config else None
+        return self._state
 
     def chunk_versions(self, chunk_id: ChunkId) -> tuple[int, int | None]:
         """(committed, pending or None), for tests and admin tools."""
@@ -773,6 +774,7 @@ class ChainMember:
         was_syncing = self.state is TargetState.SYNCING
         self.config = cfg
         self._chain = cfg.write_chain()
+        self._state = cfg.state_of(self.target_id)
         self._resync = None
         effects: list[Effect] = []
         state = self.state
