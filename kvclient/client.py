@@ -32,7 +32,7 @@ from kvfs.meta.client import RemoteMeta
 from kvfs.meta.posix import NAME_MAX, ROOT_INO
 from kvfs.meta.types import Caller, Commit, Found
 from kvfs.kvclient.buffers import DeviceSpan, RegisteredBuffer, as_buffer, host_values
-from kvfs.kvclient.evict import AccessLog, EvictionPolicy, Maintenance
+from kvfs.kvclient.evict import CAPACITY_XATTR, TTL_XATTR, AccessLog, EvictionPolicy, Maintenance
 from kvfs.kvclient.gpu import GpuBackend, GpuSupport, probe
 from kvfs.kvclient.local import ChunkReader, ObjectRead
 from kvfs.kvclient.metabatch import TEMP_PREFIX, per_batch
@@ -326,16 +326,18 @@ class KVClient:
                  access_flush: float = 1.0) -> None:
         """``short_circuit``: read replicas on this host from their files (default ``$KVFS_SHORT_CIRCUIT``, else
         on); it is off by itself where this user cannot open the chunk servers' files. ``capacity_bytes`` and
-        ``ttl`` (seconds) limit the namespace (kvclient/evict.py); ``evict``: whether this client sweeps it every
-        ``evict_interval`` seconds (by default when it has a limit), removing also temporary files of dead puts
-        older than ``orphan_grace`` seconds; reads are recorded for the LRU order every ``access_flush`` seconds."""
+        ``ttl`` (seconds) limit the namespace for this client, over the limits stored with it (:meth:`set_limits`,
+        kvclient/evict.py); ``evict``: whether this client sweeps it every ``evict_interval`` seconds (by default
+        while a limit applies), removing also temporary files of dead puts older than ``orphan_grace`` seconds;
+        reads are recorded for the LRU order every ``access_flush`` seconds."""
         self.namespace = _key(namespace)
         if not config.meta or not config.mgmtd:
             raise KvfsError("the config must list meta = [...] and mgmtd = [...] addresses")
         self._config = config
         self._parallel = parallel
         self._policy = EvictionPolicy(capacity_bytes, ttl, orphan_grace, evict_interval)
-        self._sweep = evict if evict is not None else capacity_bytes is not None or ttl is not None
+        self._sweep = evict
+        self._upkeep: Maintenance | None = None
         self._access_flush = access_flush
         if short_circuit is None:
             short_circuit = enabled_by_environment()
@@ -379,8 +381,10 @@ class KVClient:
                     reader = ChunkReader(storage, short_circuit=self._short_circuit, gpu_support=self.gpu_support,
                                          gpu=self._gpu_backend, parallel=self._parallel)
                     core = self._core = _Core(meta, storage, reader, self.namespace, self._parallel)
-                    upkeep = Maintenance(meta, core.caller, lambda: core.ns_dir(create=False), core.accesses,
-                                         self._policy, access_flush=self._access_flush)
+                    upkeep = self._upkeep = Maintenance(meta, core.caller, lambda: core.ns_dir(create=False),
+                                                        core.accesses, self._policy, access_flush=self._access_flush)
+                    with contextlib.suppress(OSError):  # meta unreachable for now: each sweep reads them again
+                        await upkeep.refresh()
                     self._token = trio.lowlevel.current_trio_token()
                     self._stop = trio.Event()
                     async with trio.open_nursery() as nursery:
@@ -518,7 +522,7 @@ class KVClient:
         """The values' bytes in host memory (see :func:`host_values`). A value larger than the namespace's capacity
         could never be kept: ValueTooLarge."""
         bufs = [as_buffer(value, writable=False) for value in values]
-        capacity = self._policy.capacity_bytes
+        capacity = self._upkeep.policy.capacity_bytes if self._upkeep is not None else self._policy.capacity_bytes
         for buf in bufs:
             if capacity is not None and len(buf) > capacity:
                 raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")
@@ -595,6 +599,30 @@ class KVClient:
             return self._call(self._core.remove_many, items)  # type: ignore[union-attr]
 
 
+    def set_limits(self, capacity_bytes: int | None = None, ttl: float | None = None) -> None:
+        """Store the namespace's limits with it, for every client of it (its directory's ``user.kvfs.capacity_bytes``
+        and ``user.kvfs.ttl``; None removes one). A client made with a limit of its own keeps that one."""
+        self._check_open()
+        EvictionPolicy(capacity_bytes, ttl)  # ValueError for a limit that is not positive
+        self._call(self._store_limits, capacity_bytes, ttl)
+
+    async def _store_limits(self, capacity_bytes: int | None, ttl: float | None) -> None:
+        core, upkeep = self._core, self._upkeep
+        assert core is not None and upkeep is not None
+        directory = await core.ns_dir(create=True)
+        assert directory is not None
+        for name, value in ((CAPACITY_XATTR, capacity_bytes), (TTL_XATTR, ttl)):
+            if value is not None:
+                await core.meta.setxattr(core.caller, directory, name, str(value).encode())
+                continue
+            try:
+                await core.meta.removexattr(core.caller, directory, name)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+        await upkeep.refresh()
+
+
 class AsyncKVClient:
     """The same API for asyncio callers: each call runs the blocking client in a worker thread."""
 
@@ -631,3 +659,6 @@ class AsyncKVClient:
     async def prefix_hits(self, keys): return await self._run(self.client.prefix_hits, keys)  # noqa: E704
     async def remove(self, key): return await self._run(self.client.remove, key)  # noqa: E704
     async def batch_remove(self, keys): return await self._run(self.client.batch_remove, keys)  # noqa: E704
+
+    async def set_limits(self, capacity_bytes: int | None = None, ttl: float | None = None) -> None:
+        await self._run(self.client.set_limits, capacity_bytes, ttl)

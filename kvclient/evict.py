@@ -4,7 +4,10 @@ in the background; and removal of the temporary files of puts whose client died 
 A get writes no metadata: the client records the keys it read in memory (:class:`AccessLog`) and sends them as
 one ``touch_atimes`` per batch every ``access_flush`` seconds, and when it closes. An entry's last use is the later
 of its access time and its modification time (its put), so the order is approximate by up to that interval.
-Every ``evict_interval`` seconds a client with a policy lists its namespace (``readdir`` pages with attributes)
+A namespace's limits are its own: extended attributes of its directory (``user.kvfs.capacity_bytes``,
+``user.kvfs.ttl`` in seconds; ``setfattr`` on the mount, or :meth:`KVClient.set_limits`), read by every client of it
+at start and before each sweep; a limit a client is given when it is made is its own and wins over the stored one.
+Every ``evict_interval`` seconds a client with a limit lists its namespace (``readdir`` pages with attributes)
 and removes, in one ``batch_unlink`` per batch: temporary ``.put-*`` files older than ``orphan_grace``, entries
 unused for ``ttl`` seconds, then, while the namespace holds more than ``capacity_bytes``, the least recently used
 until it holds at most ``LOW_WATER`` of that (so that a full namespace is not swept on every put). Between sweeps a
@@ -15,6 +18,8 @@ clocks are assumed to be in step (NTP) to well within the TTL.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import stat
 import time
@@ -34,6 +39,9 @@ log = logging.getLogger(__name__)
 
 EVICTIONS = Counter("kvfs_kvclient_evictions", "kvclient entries removed in the background", ["reason"])
 LOW_WATER = 0.9
+#: The namespace directory's extended attributes that hold its limits (decimal text).
+CAPACITY_XATTR = b"user.kvfs.capacity_bytes"
+TTL_XATTR = b"user.kvfs.ttl"
 _PAGE = 1024  # readdir entries per call while listing a namespace
 _NS = 1_000_000_000
 
@@ -54,6 +62,34 @@ class EvictionPolicy:
             raise ValueError(f"ttl must be positive seconds, not {self.ttl}")
         if self.orphan_grace < 0 or self.interval <= 0:
             raise ValueError("orphan_grace must be >= 0 and evict_interval > 0 seconds")
+
+    @property
+    def limited(self) -> bool:
+        return self.capacity_bytes is not None or self.ttl is not None
+
+    def over(self, stored: EvictionPolicy) -> EvictionPolicy:
+        """This policy, with the namespace's stored limits where it sets none of its own."""
+        return dataclasses.replace(self, capacity_bytes=self.capacity_bytes if self.capacity_bytes is not None
+                                   else stored.capacity_bytes, ttl=self.ttl if self.ttl is not None else stored.ttl)
+
+
+async def stored_limits(meta: RemoteMeta, caller: Caller, directory: int) -> EvictionPolicy:
+    """The limits kept on the namespace directory; a value that is not a valid limit is logged and left out."""
+    found: dict[str, float] = {}
+    for field, name, kind in (("capacity_bytes", CAPACITY_XATTR, int), ("ttl", TTL_XATTR, float)):
+        try:
+            text = await meta.getxattr(caller, directory, name)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                continue
+            raise
+        try:
+            found[field] = kind(text.decode())
+            EvictionPolicy(**{field: found[field]})
+        except (UnicodeDecodeError, ValueError):
+            log.warning("namespace limit %s=%r is not a positive %s; ignored", name.decode(), text, kind.__name__)
+            found.pop(field, None)
+    return EvictionPolicy(**found)  # type: ignore[arg-type]
 
 
 def last_use(attr: Attr) -> int:
@@ -99,18 +135,33 @@ class AccessLog:
 
 
 class Maintenance:
-    """The background work of one client on its namespace: access-time flushes and, with a policy, sweeps."""
+    """The background work of one client on its namespace: access-time flushes and, under a limit, sweeps.
+
+    ``own`` is the policy the client was made with; :attr:`policy` is what applies, the namespace's stored limits
+    filling in those it does not set (:meth:`refresh`)."""
 
     def __init__(self, meta: RemoteMeta, caller: Caller, ns_dir: Callable[[], Awaitable[int | None]],
-                 accesses: AccessLog, policy: EvictionPolicy, *, access_flush: float = 1.0) -> None:
+                 accesses: AccessLog, own: EvictionPolicy, *, access_flush: float = 1.0) -> None:
         self.meta, self.caller, self.ns_dir = meta, caller, ns_dir
-        self.accesses, self.policy, self.access_flush = accesses, policy, access_flush
+        self.accesses, self.own, self.policy, self.access_flush = accesses, own, own, access_flush
 
-    async def run(self, *, sweep: bool) -> None:
+    async def run(self, *, sweep: bool | None) -> None:
+        """``sweep``: True sweeps every interval, False never, None while a limit applies."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._every, self.access_flush, self.flush, "cannot record accesses with meta")
-            if sweep:
-                nursery.start_soon(self._every, self.policy.interval, self.sweep, "cannot evict")
+            if sweep is not False:
+                nursery.start_soon(self._every, self.own.interval, lambda: self._sweep_pass(sweep), "cannot evict")
+
+    async def refresh(self) -> None:
+        """Read the namespace's stored limits again (a namespace not made yet has none)."""
+        directory = await self.ns_dir()
+        stored = EvictionPolicy() if directory is None else await stored_limits(self.meta, self.caller, directory)
+        self.policy = self.own.over(stored)
+
+    async def _sweep_pass(self, sweep: bool | None) -> None:
+        await self.refresh()
+        if sweep or self.policy.limited:
+            await self.sweep()
 
     @staticmethod
     async def _every(seconds: float, work: Callable[[], Awaitable[object]], what: str) -> None:

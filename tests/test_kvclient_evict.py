@@ -147,3 +147,55 @@ def test_the_temporary_file_of_a_killed_put_goes_after_the_grace_period(kvfs_clu
         wait_until(lambda: listing(kvfs_cluster, ns) == ["kept"], 30, "the orphan sweep")
         assert evictions("orphan") == before + 1
         assert kv.get("kept") == b"k" and kv.get("big") is None
+
+
+@pytest.mark.timeout(300)
+@NEEDS_FUSE
+def test_limits_stored_with_the_namespace_apply_to_every_client_of_it(kvfs_cluster, ns) -> None:
+    """An operator sets them with setfattr on the mount, or a client with ``set_limits``; a client made without
+    limits of its own sweeps under them and refuses what they could never hold."""
+    config = kvfs_cluster.data / "client.toml"
+    directory = kvfs_cluster.mount / "kvcache" / ns
+    with KVClient.from_config(config, ns) as writer:
+        for i in range(12):
+            writer.put(f"k{i}", bytes([i]) * 1000)
+        time.sleep(0.5)
+        assert len(listing(kvfs_cluster, ns)) == 12  # no limit anywhere: nothing swept
+    os.setxattr(directory, "user.kvfs.capacity_bytes", b"10000")
+    with KVClient.from_config(config, ns, evict_interval=0.2) as kv:
+        wait_until(lambda: len(listing(kvfs_cluster, ns)) == 9, 30, "the sweep under the stored capacity")
+        with pytest.raises(ValueTooLarge):
+            kv.put("big", bytes(10_001))
+        kv.set_limits(capacity_bytes=4000, ttl=3600)
+        assert os.getxattr(directory, "user.kvfs.capacity_bytes") == b"4000"
+        assert os.getxattr(directory, "user.kvfs.ttl") == b"3600"
+        wait_until(lambda: len(listing(kvfs_cluster, ns)) == 3, 30, "the sweep under the new capacity")
+        kv.set_limits(capacity_bytes=None, ttl=None)
+        for name in ("user.kvfs.capacity_bytes", "user.kvfs.ttl"):
+            with pytest.raises(OSError) as gone:
+                os.getxattr(directory, name)
+            assert gone.value.errno == errno.ENODATA
+        kv.put("big", bytes(10_001))  # no limit left
+        with pytest.raises(ValueError):
+            kv.set_limits(capacity_bytes=0)
+
+
+@pytest.mark.timeout(300)
+@NEEDS_FUSE
+def test_a_clients_own_limit_wins_and_a_bad_stored_one_is_ignored(kvfs_cluster, ns, caplog) -> None:
+    config = kvfs_cluster.data / "client.toml"
+    directory = kvfs_cluster.mount / "kvcache" / ns
+    with KVClient.from_config(config, ns) as kv:
+        kv.put("k", b"k")
+    os.setxattr(directory, "user.kvfs.capacity_bytes", b"10000")
+    with KVClient.from_config(config, ns, capacity_bytes=20_000) as kv:
+        kv.put("fits-its-own", bytes(15_000))
+    os.setxattr(directory, "user.kvfs.capacity_bytes", b"plenty")
+    os.setxattr(directory, "user.kvfs.ttl", b"-5")
+    with caplog.at_level("WARNING", logger="kvfs.kvclient.evict"):
+        with KVClient.from_config(config, ns, evict_interval=0.2) as kv:
+            kv.put("fits", bytes(15_000))
+            time.sleep(0.5)
+    assert listing(kvfs_cluster, ns) == ["fits", "fits-its-own", "k"]
+    assert "user.kvfs.capacity_bytes=b'plenty'" in caplog.text
+    assert "user.kvfs.ttl=b'-5'" in caplog.text
