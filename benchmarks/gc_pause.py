@@ -6,9 +6,10 @@
 Builds, in this process, what a chunk server keeps per chunk: a chunk engine (write-back, in a temporary
 directory) holding each chunk at one committed version, and a chain member (the middle of a chain of three)
 that has seen each chunk's update persisted and acknowledged; 4 KiB chunks, so that only the count matters.
-At each count it prints the objects the collector tracks, the pause of a full collection as Python runs it by
-default (median of three), and the pause once a full collection has frozen its survivors, the steady state of a
-server: later full collections walk only what was made since.
+At each count it prints the objects the collector tracks, the process's resident memory per chunk held (what a
+server's RAM must grow by with its disk), the pause of a full collection as Python runs it by default (median of
+three), and the pause once a full collection has frozen its survivors, the steady state of a server: later full
+collections walk only what was made since.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ BATCH = 256
 CHUNKS_PER_INODE = 16
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def full_collection_ms() -> float:
     started = time.perf_counter()
     gc.collect()
@@ -52,10 +58,11 @@ def main() -> None:
     config = ChainConfig(1, 1, tuple(ChainTarget(t, t, TargetState.SERVING) for t in (1, 2, 3)))
     member = ChainMember(2, 1, None)
     member.handle(Configure(config, lease_until=float("inf")))
-    print(f"{'chunks':>8} {'tracked objects':>15} {'full collection ms':>18} {'after a freeze ms':>17}")
+    print(f"{'chunks':>8} {'tracked objects':>15} {'RSS bytes/chunk':>15} {'full collection ms':>18}"
+          f" {'after a freeze ms':>17}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVFS_BENCH_DIR")) as tmp:
         engine = ChunkEngine(Path(tmp), fsync=False, write_through=False, direct_io=False)
-        held = 0
+        held, empty = 0, resident_bytes()
         for target in sorted(args.chunks):
             gc.unfreeze()
             for first in range(held, target, BATCH):
@@ -77,7 +84,8 @@ def main() -> None:
             gc.collect()  # freezes what it finds alive
             frozen = statistics.median(full_collection_ms() for _ in range(3))
             gc.callbacks.clear()
-            print(f"{target:>8} {tracked:>15,} {default:>18.1f} {frozen:>17.2f}")
+            per_chunk = (resident_bytes() - empty) / target
+            print(f"{target:>8} {tracked:>15,} {per_chunk:>15,.0f} {default:>18.1f} {frozen:>17.2f}")
         engine.close()
 
 
