@@ -7,26 +7,55 @@ in the service's nursery like every other task, instead of in a stray thread.
 
 from __future__ import annotations
 
+import bisect
 import gc
+import itertools
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import prometheus_client
 import trio
+from prometheus_client.core import HistogramMetricFamily
 
 from kvfs.errors import KvfsError
 
 log = logging.getLogger("kvfs.service")
 
-GC_PAUSE_SECONDS = prometheus_client.Histogram(
-    "kvfs_gc_pause_seconds", "Garbage collections of this process by generation, and how long each stopped it",
-    ["generation"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-)
+class _CollectorPauses:
+    """``kvfs_gc_pause_seconds{generation}``, kept in plain lists rather than a prometheus_client Histogram: the
+    garbage collector may run inside any allocation, including one that a metric makes while holding its own lock
+    (a scrape copies a labelled metric's children under it), and a callback that then took that lock would wait
+    for itself forever. Updating lists takes no lock; a scrape reads them as they are."""
+
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+    GENERATIONS = 3
+
+    def __init__(self) -> None:
+        self.counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(self.GENERATIONS)]  # the last: over them all
+        self.sums = [0.0] * self.GENERATIONS
+
+    def observe(self, generation: int, seconds: float) -> None:
+        self.counts[generation][bisect.bisect_left(self.BUCKETS, seconds)] += 1
+        self.sums[generation] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "kvfs_gc_pause_seconds", "Garbage collections of this process by generation, and how long each stopped it",
+            labels=["generation"])
+        bounds = [str(b) for b in self.BUCKETS] + ["+Inf"]
+        for generation in range(self.GENERATIONS):
+            cumulative = list(itertools.accumulate(self.counts[generation]))
+            family.add_metric([str(generation)], list(zip(bounds, cumulative)), self.sums[generation])
+        yield family
+
+
+GC_PAUSES = _CollectorPauses()
+prometheus_client.REGISTRY.register(GC_PAUSES)  # type: ignore[arg-type]
 
 
 def freeze_after_full_collections() -> None:
@@ -54,7 +83,7 @@ def _on_collection(phase: str, info: dict[str, int]) -> None:
         _collection_started = time.perf_counter()
         return
     generation = info["generation"]
-    GC_PAUSE_SECONDS.labels(str(generation)).observe(time.perf_counter() - _collection_started)
+    GC_PAUSES.observe(generation, time.perf_counter() - _collection_started)
     if generation == 2:
         gc.freeze()
 

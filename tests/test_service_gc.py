@@ -26,7 +26,8 @@ def _run(code: str) -> dict:
 def test_a_full_collection_freezes_its_survivors_and_young_cycles_are_still_collected():
     out = _run("""
         import gc, json
-        from kvfs.service import GC_PAUSE_SECONDS, freeze_after_full_collections
+        from prometheus_client import REGISTRY, generate_latest
+        from kvfs.service import freeze_after_full_collections
         freeze_after_full_collections()
         freeze_after_full_collections()  # installed once however often it is asked
         kept = [[i] for i in range(50_000)]
@@ -36,14 +37,16 @@ def test_a_full_collection_freezes_its_survivors_and_young_cycles_are_still_coll
         cycle.append(cycle)
         del cycle
         young_garbage = gc.collect()
-        full = next(s.value for m in GC_PAUSE_SECONDS.collect() for s in m.samples
-                    if s.name.endswith("_count") and s.labels == {"generation": "2"})
-        print(json.dumps({"frozen": frozen, "young_garbage": young_garbage, "full": full,
+        full = REGISTRY.get_sample_value("kvfs_gc_pause_seconds_count", {"generation": "2"})
+        slow = REGISTRY.get_sample_value("kvfs_gc_pause_seconds_bucket", {"generation": "2", "le": "+Inf"})
+        assert b'kvfs_gc_pause_seconds_bucket{generation="0",le="0.001"}' in generate_latest()
+        print(json.dumps({"frozen": frozen, "young_garbage": young_garbage, "full": full, "all": slow,
                           "installed": len(gc.callbacks)}))
     """)
     assert out["frozen"] >= 50_000
     assert out["young_garbage"] >= 1  # a cycle made after the freeze is still found
     assert out["full"] >= 2  # the two asked for (and any the allocations set off), each observed
+    assert out["all"] == out["full"]  # the +Inf bucket counts every one
     assert out["installed"] == 1
 
 
