@@ -78,3 +78,24 @@ def test_a_mount_counts_its_collections_on_its_metrics_endpoint(tmp_path):
             return float(found.group(1)) if found else 0.0
 
         wait_until(lambda: young_collections() > 0, 15, "a collection counted in kvfs_gc_pause_seconds")
+
+
+def test_a_collection_completes_while_this_thread_holds_every_metrics_lock():
+    """A collection may start inside an allocation that a metric makes under its own lock (a scrape copies a
+    labelled metric's children under it); the callback must not ask for any such lock, or it waits for itself."""
+    out = _run("""
+        import gc, json
+        from prometheus_client import REGISTRY
+        import kvfs.chunkserver.service  # labelled metrics of a server beside the collector's own
+        from kvfs.service import freeze_after_full_collections
+        freeze_after_full_collections()
+        held = [c._lock for c in list(REGISTRY._collector_to_names) if hasattr(c, "_lock")]
+        for lock in held:
+            lock.acquire()
+        gc.collect()
+        for lock in held:
+            lock.release()
+        print(json.dumps({"held": len(held), "full": REGISTRY.get_sample_value(
+            "kvfs_gc_pause_seconds_count", {"generation": "2"})}))
+    """)
+    assert out["held"] > 0 and out["full"] >= 1
