@@ -522,7 +522,8 @@ class KVClient:
         """The values' bytes in host memory (see :func:`host_values`). A value larger than the namespace's capacity
         could never be kept: ValueTooLarge."""
         bufs = [as_buffer(value, writable=False) for value in values]
-        capacity = self._upkeep.policy.capacity_bytes if self._upkeep is not None else self._policy.capacity_bytes
+        assert self._upkeep is not None  # made before the constructor returns
+        capacity = self._upkeep.policy.capacity_bytes
         for buf in bufs:
             if capacity is not None and len(buf) > capacity:
                 raise ValueTooLarge(f"a value of {len(buf)} bytes; the namespace holds at most {capacity}")

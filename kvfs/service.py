@@ -26,6 +26,7 @@ from kvfs.errors import KvfsError
 
 log = logging.getLogger("kvfs.service")
 
+
 class _CollectorPauses:
     """``kvfs_gc_pause_seconds{generation}``, kept in plain lists rather than a prometheus_client Histogram: the
     garbage collector may run inside any allocation, including one that a metric makes while holding its own lock
@@ -55,7 +56,6 @@ class _CollectorPauses:
 
 
 GC_PAUSES = _CollectorPauses()
-prometheus_client.REGISTRY.register(GC_PAUSES)  # type: ignore[arg-type]
 
 
 def freeze_after_full_collections() -> None:
@@ -69,9 +69,17 @@ def freeze_after_full_collections() -> None:
     The price: a reference cycle among objects frozen while alive that becomes garbage later is never freed.
     The servers' long-lived state is freed by reference counting, and such cycles are rare (benchmarks/RESULTS.md
     counts what full collections of busy chunk servers find). Only for processes kvfs owns: kvclient, a library
-    inside someone else's process, leaves that process's collector alone."""
+    inside someone else's process, leaves that process's collector alone (and its metrics: the pauses are
+    registered here, not when the module is imported)."""
+    global _pauses_registered
+    if not _pauses_registered:
+        prometheus_client.REGISTRY.register(GC_PAUSES)  # type: ignore[arg-type]
+        _pauses_registered = True
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
+
+
+_pauses_registered = False
 
 
 _collection_started = 0.0

@@ -99,3 +99,15 @@ def test_a_collection_completes_while_this_thread_holds_every_metrics_lock():
             "kvfs_gc_pause_seconds_count", {"generation": "2"})}))
     """)
     assert out["held"] > 0 and out["full"] >= 1
+
+
+def test_kvclient_leaves_its_host_process_collector_and_metrics_alone():
+    out = _run("""
+        import gc, json
+        from prometheus_client import REGISTRY
+        import kvfs.kvclient
+        from kvfs.service import _on_collection
+        print(json.dumps({"hooked": _on_collection in gc.callbacks,
+                          "metric": REGISTRY.get_sample_value("kvfs_gc_pause_seconds_count", {"generation": "0"})}))
+    """)
+    assert out == {"hooked": False, "metric": None}
