@@ -36,10 +36,15 @@ like a base, is written only while no row names it, and the versions it came fro
 crash-safety argument below holds unchanged. A slot shared by several rows is freed when the last of them is
 dropped, under the same rule as before (reused only once that drop is durable, unless no flush covered any of
 the dropped rows that named it). When a write would leave a version with a quarter of its blocks or more in
-overrides (or ``MAX_OVERRIDES``), it writes a fresh base instead (compaction: one chunk copy, paid for by the
-writes that made the overrides), so a chunk's live slots stay within 1.25x its length. A version with
-overrides lies in several places, so a loan of it is a copy through the page cache and a short-circuit
-location is refused (the reader reads over the network).
+overrides (or ``MAX_OVERRIDES``), it *folds*: the blocks that every row naming the base keeps in block slots of
+its own (so that nobody reads the base there) are written into the base in place, from those block slots or
+from the write, and the new version names the base with only the overrides left (``_foldable``). Its cost is
+64 KiB a block folded, and the block slots go free with the old version. Where a fold cannot make room (a
+reader's pin on the base, which may hold a version already dropped; a row whose removal a power loss may undo,
+in write-through until the WAL fsync that the fold then makes; a superseded version with fewer overrides), the
+write writes a fresh base instead (compaction: one chunk copy). Either way a chunk's live slots stay within
+1.25x its length. A version with overrides lies in several places, so a loan of it is a copy through the page
+cache and a short-circuit location is refused (the reader reads over the network).
 
 Checksums: one CRC32C per 64 KiB block (``BLOCK``), stored as a little array in the row, so a
 range read verifies only the blocks it touches. 64 KiB rather than 4 KiB because the block list
@@ -52,8 +57,8 @@ reads a written byte once.
 
 Crash safety (write-through)
 ----------------------------
-A version's data is written into a slot no row names and fdatasync'ed *before* the row that
-names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit`` is one transaction
+A version's data is written into a slot no row names (or, a fold, into blocks of a base that no row reads) and
+fdatasync'ed *before* the row that names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit`` is one transaction
 that deletes the old committed row and turns the pending row into the committed one. A slot is
 reused only after the transaction that dropped its row is durable. Hence after kill -9 (or, with
 fsync=True, power loss) each chunk is at its old or new committed version, and every row points
@@ -345,13 +350,9 @@ def _block_kind(runs: list[tuple[int, int, int]], old_len: int, new_len: int, b:
     return _MIXED, -1
 
 
-def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
-    """The blocks a partial write writes into block slots of their own when the new version shares every other
-    block with ``old`` (block-level copy-on-write); None where it writes a fresh base instead: ``old`` has no
-    base, the version changes size class, or its overrides would reach a quarter of its blocks or
-    ``MAX_OVERRIDES`` (compaction: one copy of the chunk, paid for by the writes that made the overrides). So a
-    write of a quarter of a chunk or more (a sequential writer's 1 MiB into a 4 MiB chunk) makes a fresh base,
-    which reads and loans take in one piece."""
+def _changed_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
+    """The blocks a partial write of ``runs`` makes other than ``old``'s (each to be written whole); None where the
+    new version cannot share ``old``'s base: ``old`` has none, or the version changes size class."""
     if old.slot < 0 or class_for(new_len) != old.cls:
         return None
     nblocks = _nblocks(new_len)
@@ -360,9 +361,27 @@ def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int)
     candidates = set(range(min(old.length, new_len) // BLOCK, nblocks))
     for start, _, length in runs:
         candidates.update(range(start // BLOCK, min(nblocks, (start + length - 1) // BLOCK + 1)))
-    fresh = [b for b in sorted(candidates) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
+    return [b for b in sorted(candidates) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
+
+
+def _override_limit(new_len: int) -> int:
+    """A version names fewer block slots than this: a quarter of its blocks, at most ``MAX_OVERRIDES``."""
+    return min(MAX_OVERRIDES, _nblocks(new_len) // 4)
+
+
+def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
+    """The blocks a partial write writes into block slots of their own when the new version shares every other
+    block with ``old`` (block-level copy-on-write); None where it cannot share ``old``'s base
+    (:func:`_changed_blocks`) or its overrides would reach :func:`_override_limit`: then the write folds overrides
+    into the base (:meth:`ChunkEngine._foldable`) or writes a fresh base. So a write of a quarter of a chunk or
+    more (a sequential writer's 1 MiB into a 4 MiB chunk) makes a fresh base, which reads and loans take in one
+    piece."""
+    fresh = _changed_blocks(old, runs, new_len)
+    if fresh is None:
+        return None
+    nblocks = _nblocks(new_len)
     shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
-    return fresh if shared + len(fresh) < min(MAX_OVERRIDES, nblocks // 4) else None
+    return fresh if shared + len(fresh) < _override_limit(new_len) else None
 
 
 def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Sequence[Sequence[int]],
@@ -401,6 +420,7 @@ class _Staged(NamedTuple):
     got: list[Slot]
     old: _Version
     force: bool
+    folded: bool  # it wrote blocks into old's base in place: no other fold of that base until it is settled
 
 
 _PUBLISHED = object()  # a batch's place holder for a result that its transaction fills in
@@ -442,6 +462,7 @@ class ChunkEngine:
         self._undurable_frees: list[Slot] = []  # slots whose rows' removal is not yet fsync'ed
         self._undurably_dropped: set[Slot] = set()  # named by a row whose removal a power loss may undo
         self._superseded: dict[ChunkId, _Version] = {}  # write-back: the last flushed committed version, until flush
+        self._folding: set[Slot] = set()  # bases a staged version folded blocks into, until it is published or dropped
         self._last_seq: dict[ChunkId, int] = {}  # write-back: each chunk's newest unflushed staging
         self._dirty_classes: set[int] = set()  # write-back: slot files written since the last flush
         self._seq = 0  # the last unflushed staging's number
@@ -730,22 +751,31 @@ class ChunkEngine:
 
     def _fill_blocks(self, old: _Version, fresh: list[int], block_slots: list[int], offset: int, data: memoryview,
                      new_len: int, data_blocks: list[int], extents: Sequence[Sequence[int]] | None,
-                     ) -> tuple[array, dict[int, int]]:
-        """Write blocks ``fresh`` of the new version into ``block_slots``, one each; every other block is shared
-        with ``old`` (its base block or its override). Returns the new version's block CRCs and overrides."""
+                     fold: set[int]) -> tuple[array, dict[int, int]]:
+        """Write blocks ``fresh`` of the new version into ``block_slots``, one each, and blocks ``fold`` into
+        ``old``'s base in place (:meth:`_foldable`), whether the write changes them or ``old`` keeps them in block
+        slots; every other block is shared with ``old`` (its base block or its override). Returns the new
+        version's block CRCs and overrides."""
         runs = _runs(offset, data, extents)
         nblocks = _nblocks(new_len)
         crcs = array("I", old.blocks[:nblocks])
         crcs.extend([0] * (nblocks - len(crcs)))
-        overrides = {b: s for b, s in old.overrides.items() if b < nblocks}
-        for b, s in zip(fresh, block_slots):
+        overrides = {b: s for b, s in old.overrides.items() if b < nblocks and b not in fold}
+        if fold:
+            self._settle(old)  # held bytes written out later would land over the folded blocks
+        base = old.slot << old.cls
+        for b, (cls, at) in [*((b, (BLOCK_CLS, s << BLOCK_CLS)) for b, s in zip(fresh, block_slots)),
+                             *((b, (old.cls, base + b * BLOCK)) for b in sorted(fold))]:
             k, i = _block_kind(runs, old.length, new_len, b)
             lo, hi = b * BLOCK, min(b * BLOCK + BLOCK, new_len)
             if k == _NEW:
-                crcs[b] = self._write_new(runs[i], data, data_blocks, lo, hi, BLOCK_CLS, s << BLOCK_CLS)[0]
+                crcs[b] = self._write_new(runs[i], data, data_blocks, lo, hi, cls, at)[0]
+            elif k == _OLD:
+                self._copy(old, lo, hi, cls, at)  # a fold of a block old keeps in a block slot; its CRC carries over
             else:
-                crcs[b] = self._write_mixed(old, runs, data, lo, hi, BLOCK_CLS, s << BLOCK_CLS)
-            overrides[b] = s
+                crcs[b] = self._write_mixed(old, runs, data, lo, hi, cls, at)
+            if cls == BLOCK_CLS:
+                overrides[b] = at >> BLOCK_CLS
         return crcs, overrides
 
     def _write_new(self, run: tuple[int, int, int], data: memoryview, data_blocks: list[int], lo: int, hi: int,
@@ -884,20 +914,25 @@ class ChunkEngine:
                 if base is not None and old.version != base[0]:
                     raise StaleVersion(f"chunk {cid}: a delta of v{base[0]}, but v{old.version} is committed")
                 whole = full_replace or (extents is None and offset == 0 and len(data) == new_len)
-                fresh = None if whole else _fresh_blocks(old, _runs(offset, data, extents), new_len)
+                fresh, fold = (None, set()) if whole else \
+                    self._partial_plan(cid, entry, old, _runs(offset, data, extents), new_len, last_try)
                 # A new slot costs the page cache fresh pages and the file system an extent conversion on
                 # writeback, several times what reusing one costs: reuse slots that only wait for a durable
                 # transaction (write-back leaves them waiting until one runs) rather than grow the file.
                 full = False
                 try:
-                    got = self._alloc_all([new_len] if fresh is None else [BLOCK] * len(fresh),
-                                          grow=last_try or not (self._write_back and self._undurable_frees))
+                    # a fold that waits only for a durable transaction is worth the WAL fsync that makes one
+                    got = None if fold is None else \
+                        self._alloc_all([new_len] if fresh is None else [BLOCK] * len(fresh),
+                                        grow=last_try or not (self._write_back and self._undurable_frees))
                 except KvfsError as e:
                     if e.errno != errno.ENOSPC or last_try or not (self._undurable_frees or self._superseded):
                         raise
                     got, full = None, True
                 if got is not None:
                     self._pin(old)
+                    if fold:
+                        self._folding.add((old.cls, old.slot))
                     break
             if full:
                 self.flush()  # also frees the superseded versions' slots
@@ -915,8 +950,8 @@ class ChunkEngine:
                 else:
                     cls, slot = old.cls, old.slot
                     blocks, overrides = self._fill_blocks(old, fresh, [s for _, s in got], offset, data, new_len,
-                                                          data_blocks, extents)
-                for written in {c for c, _ in got}:
+                                                          data_blocks, extents, fold)
+                for written in {c for c, _ in got} | ({old.cls} if fold else set()):
                     if self._fsync and self._write_through:
                         self._slots.flush(written)
                     elif self._write_back:
@@ -927,7 +962,7 @@ class ChunkEngine:
                 if base is not None and staged.crc != base[1]:
                     raise ChecksumMismatch(f"chunk {cid}: v{version} from a delta of v{base[0]} does not match its CRC")
                 # old stays pinned until the new version's row names the slots they share
-                return _Staged(cid, staged, got, old, force)
+                return _Staged(cid, staged, got, old, force, bool(fold))
             except BaseException:
                 self._release(old)
                 raise
@@ -935,9 +970,53 @@ class ChunkEngine:
             with self._lock:
                 for key in got:
                     self._free(*key)
+                if fold:
+                    self._folding.discard((old.cls, old.slot))
             if isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise enospc(f"disk of target {self.root} is full") from e
             raise
+
+    def _partial_plan(self, cid: ChunkId, entry: _Entry, old: _Version, runs: list[tuple[int, int, int]],
+                      new_len: int, last_try: bool) -> tuple[list[int] | None, set[int] | None]:
+        """(Caller holds the lock.) How a partial write makes its version: ``(fresh, fold)``, the blocks it writes
+        into block slots of their own and those it writes into ``old``'s base in place; ``(None, set())``: a fresh
+        base. ``fold`` is None where a fold waits only for a durable transaction (not on the ``last_try``)."""
+        fresh = _changed_blocks(old, runs, new_len)
+        if fresh is None:
+            return None, set()
+        nblocks = _nblocks(new_len)
+        shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
+        limit = _override_limit(new_len)
+        if shared + len(fresh) < limit:
+            return fresh, set()
+        base = (old.cls, old.slot)
+        shadowed = self._foldable(cid, entry, old)
+        if not shadowed:
+            return None, set()
+        if base in self._undurably_dropped:
+            return (fresh, None) if not last_try else (None, set())
+        fold = {b for b in shadowed if b < nblocks}
+        fresh = [b for b in fresh if b not in fold]
+        kept = sum(1 for b in old.overrides if b < nblocks and b not in fold) - sum(1 for b in fresh if b in old.overrides)
+        return (fresh, fold) if kept + len(fresh) < limit else (None, set())
+
+    def _foldable(self, cid: ChunkId, entry: _Entry, old: _Version) -> set[int]:
+        """(Caller holds the lock.) The blocks of ``old``'s base that no row naming it reads, each such row having a
+        block slot of its own there: a write may overwrite them in place (a fold), since neither a reader nor a
+        crash can see them. Empty where something else may read the base: a reader's pin (which may hold a
+        version already dropped), a row other than the chunk's committed, pending and superseded ones, another
+        fold under way. A row whose removal a power loss may undo is the caller's to rule out."""
+        base = (old.cls, old.slot)
+        if base in self._pins or base in self._folding:
+            return set()
+        naming = [v for v in (old, entry.pending, self._superseded.get(cid))
+                  if v is not None and (v.cls, v.slot) == base]
+        if self._refs[base] != len(naming):
+            return set()
+        shadowed = set(old.overrides)
+        for v in naming:
+            shadowed.intersection_update(v.overrides)
+        return shadowed
 
     def _check_kept(self, old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> None:
         """Read and check every block a delta keeps from ``old``: its CRC in the row says which bytes the sender
@@ -1002,7 +1081,7 @@ class ChunkEngine:
         finally:
             self._drop_staged([st for st in staged if all(st is not p for p in published)])
             for st in published:
-                self._release(st.old)
+                self._settled(st)
 
     def _adopt_pending(self, cid: ChunkId, v: _Version, durable: bool) -> ChunkVersion:
         """Make a version whose row was just published the chunk's pending one (the caller holds the lock)."""
@@ -1017,12 +1096,21 @@ class ChunkEngine:
         return self._meta(cid, v, entry)
 
     def _drop_staged(self, staged: Sequence[_Staged]) -> None:
-        """Undo :meth:`_prepare` for versions never published: free their slots, unpin their committed ones."""
+        """Undo :meth:`_prepare` for versions never published: free their slots, unpin their committed ones. (What
+        a fold wrote into a base stays: no row reads those blocks of it.)"""
         for st in staged:
-            self._release(st.old)
+            self._settled(st)
             with self._lock:
                 for key in st.got:
                     self._free(*key)
+
+    def _settled(self, st: _Staged) -> None:
+        """A staged version was published or dropped: unpin the committed version it was made from, and let its
+        base be folded into again."""
+        with self._lock:
+            self._unpin(st.old)
+            if st.folded:
+                self._folding.discard((st.old.cls, st.old.slot))
 
     def _execute(self, *statements: rows.Statement, durable: bool) -> bool:
         """Run statements as one transaction of the row store (the caller holds ``_db_lock``); see

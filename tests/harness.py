@@ -215,11 +215,18 @@ def _block_slots(blob: bytes) -> dict[int, int]:
     return dict(zip(pairs[::2], pairs[1::2]))
 
 
+def _blocks_read(cls: int, slot: int, length: int, overrides: bytes) -> list[tuple[int, int, int]]:
+    """Where a row keeps each of its blocks, in order: (slot file class, slot, block within the slot)."""
+    own = _block_slots(overrides)
+    return [(BLOCK_CLS, own[b], 0) if b in own else (cls, slot, b) for b in range(-(-length // BLOCK))]
+
+
 def tear_unsynced(root: Path, rng: random.Random, share: float = 0.5) -> int:
     """What a power loss may leave: rows of versions staged since the last sync, but not all of their data
-    (``share`` of them torn, at a byte of the base or of a block slot, wherever the version keeps it). Only a slot
-    no synced row names can be torn: one a synced row names was written before that sync and never since (a
-    version shares blocks with the one before it). Returns how many it tore."""
+    (``share`` of them torn, at a byte of the base or of a block slot, wherever the version keeps it). Only a block
+    no synced row reads can be torn: one a synced row reads was written before that sync and never since (a
+    version shares blocks with the one before it, and a fold writes into a shared base only blocks that every row
+    naming it keeps in block slots of its own). Returns how many it tore."""
     db = sqlite3.connect(root / "chunks.sqlite")
     try:
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'unsynced'").fetchone() is None:
@@ -227,18 +234,17 @@ def tear_unsynced(root: Path, rng: random.Random, share: float = 0.5) -> int:
         listed = "EXISTS (SELECT 1 FROM unsynced u WHERE v.inode=u.inode AND v.idx=u.idx AND v.version=u.version" \
                  " AND v.pending < 2)"
         rows = db.execute(f"SELECT v.cls, v.slot, v.length, v.overrides FROM versions v WHERE {listed}").fetchall()
-        synced = set()
-        for cls, slot, overrides in db.execute(f"SELECT cls, slot, overrides FROM versions v WHERE NOT {listed}"):
-            synced.add((cls, slot))
-            synced.update((BLOCK_CLS, s) for s in _block_slots(overrides).values())
+        synced = set()  # (slot file class, slot, block in it) that a synced row reads
+        for cls, slot, length, overrides in db.execute(
+                f"SELECT cls, slot, length, overrides FROM versions v WHERE NOT {listed}"):
+            synced.update(_blocks_read(cls, slot, length, overrides))
     finally:
         db.close()
     torn = 0
     for cls, slot, length, overrides in rows:
-        own = _block_slots(overrides)
-        where = [(BLOCK_CLS, own[b], 0, min(BLOCK, length - b * BLOCK)) if b in own
-                 else (cls, slot, b * BLOCK, min(BLOCK, length - b * BLOCK)) for b in range(-(-length // BLOCK))]
-        where = [w for w in where if w[:2] not in synced]
+        where = [(at_cls, at_slot, at * BLOCK, min(BLOCK, length - b * BLOCK))
+                 for b, (at_cls, at_slot, at) in enumerate(_blocks_read(cls, slot, length, overrides))
+                 if (at_cls, at_slot, at) not in synced]
         if where and rng.random() < share:
             at_cls, at_slot, start, n = rng.choice(where)
             with open(root / "data" / f"{at_cls:02d}.dat", "r+b") as f:

@@ -194,3 +194,60 @@ def test_fresh_blocks_are_the_blocks_that_are_not_shared(data) -> None:
     fresh = _fresh_blocks(old, runs, new_len)
     if fresh is not None:
         assert fresh == everything
+
+
+def _random_4k_writes(e: ChunkEngine, c: ChunkId, model: bytearray, rng: random.Random, versions: range,
+                      blocks: list[int] | None = None) -> None:
+    """4 KiB writes committed and flushed one by one (a mount's fsync after each), into random blocks or
+    ``blocks`` in turn; ``model`` follows them."""
+    for k, version in enumerate(versions):
+        block = blocks[k] if blocks else rng.randrange(CS // BLOCK)
+        at, data = block * BLOCK + rng.randrange(0, BLOCK - 4096), os.urandom(4096)
+        model[at : at + 4096] = data
+        e.write_pending(c, version, at, data, crc32c(data), chunk_size=CS)
+        e.commit(c, version, durable=False)
+        e.flush()
+
+
+def test_small_writes_fold_their_blocks_into_the_base_instead_of_copying_the_chunk(tmp_path: Path) -> None:
+    """Once a version's block slots would reach a quarter of its blocks, a write whose base no reader holds and no
+    other row reads there writes the blocks it keeps in block slots into the base in place (a fold: 64 KiB a
+    block) rather than the whole chunk into a fresh base: the base never moves, the block slots stay under a
+    quarter, the bytes are right, after a reopen too."""
+    rng = random.Random(7)
+    c = ChunkId(8, 0)
+    model = bytearray(os.urandom(CS))
+    with ChunkEngine(tmp_path / "t", write_through=False) as e:
+        e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
+        e.commit(c, 1)
+        base = (e._entry(c).committed.cls, e._entry(c).committed.slot)
+        for start in range(2, 202, 20):
+            _random_4k_writes(e, c, model, rng, range(start, start + 20))
+            v = e._entry(c).committed
+            assert (v.cls, v.slot) == base and len(v.overrides) < CS // BLOCK // 4
+        assert bytes(e.read(c, 0, CS)[0]) == bytes(model)
+        assert _used(e) <= 1.25 * CS
+    with ChunkEngine(tmp_path / "t", write_through=False) as e:
+        assert bytes(e.read(c, 0, CS)[0]) == bytes(model)
+        assert_slots_accounted(e)
+
+
+def test_a_base_a_reader_holds_is_copied_not_folded_into(tmp_path: Path) -> None:
+    """A short-circuit reader's location stays the bytes of the version it pinned while writes go on: the
+    compaction that comes while it holds the pin writes a fresh base, and the pinned slot keeps its bytes."""
+    rng = random.Random(8)
+    c = ChunkId(9, 0)
+    model = bytearray(os.urandom(CS))
+    with ChunkEngine(tmp_path / "t", write_through=False) as e:
+        e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
+        e.commit(c, 1)
+        e.flush()
+        pinned, loc = bytes(model), e.pin_location(c, None, 0, CS)
+        _random_4k_writes(e, c, model, rng, range(2, 40), blocks=list(range(38)))
+        assert e._entry(c).committed.slot != loc.offset >> e._entry(c).committed.cls
+        with open(loc.path, "rb") as f:
+            f.seek(loc.offset)
+            assert f.read(CS) == pinned
+        loc.release()
+        _random_4k_writes(e, c, model, rng, range(40, 80))
+        assert bytes(e.read(c, 0, CS)[0]) == bytes(model)
