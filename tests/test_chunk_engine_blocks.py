@@ -132,6 +132,14 @@ def test_engine_matches_the_model_through_partial_writes_flushes_and_reopens() -
                                                                     deadline=None))
 
 
+def _committed_random_chunk(e: ChunkEngine, c: ChunkId) -> bytearray:
+    """Version 1 of ``c``, a whole chunk of random bytes, committed; the bytes, for a model of later writes."""
+    model = bytearray(os.urandom(CS))
+    e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
+    e.commit(c, 1)
+    return model
+
+
 def _used(e: ChunkEngine) -> int:
     return e.space()[1]
 
@@ -142,10 +150,8 @@ def test_random_small_writes_keep_a_chunk_within_a_quarter_of_its_size_and_remov
     (its base and the block slots of its overrides) hold at most 1.25x its bytes, and a removed chunk's slots serve the next chunk without growing any slot file."""
     rng = random.Random(25)
     c = ChunkId(6, 0)
-    model = bytearray(os.urandom(CS))
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
-        e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
-        e.commit(c, 1)
+        model = _committed_random_chunk(e, c)
         for version in range(2, 502):
             at, data = rng.randrange(0, CS - 4096), os.urandom(4096)
             model[at : at + 4096] = data
@@ -216,10 +222,8 @@ def test_small_writes_fold_their_blocks_into_the_base_instead_of_copying_the_chu
     quarter, the bytes are right, after a reopen too."""
     rng = random.Random(7)
     c = ChunkId(8, 0)
-    model = bytearray(os.urandom(CS))
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
-        e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
-        e.commit(c, 1)
+        model = _committed_random_chunk(e, c)
         base = (e._entry(c).committed.cls, e._entry(c).committed.slot)
         for start in range(2, 202, 20):
             _random_4k_writes(e, c, model, rng, range(start, start + 20))
@@ -237,10 +241,8 @@ def test_a_base_a_reader_holds_is_copied_not_folded_into(tmp_path: Path) -> None
     compaction that comes while it holds the pin writes a fresh base, and the pinned slot keeps its bytes."""
     rng = random.Random(8)
     c = ChunkId(9, 0)
-    model = bytearray(os.urandom(CS))
     with ChunkEngine(tmp_path / "t", write_through=False) as e:
-        e.write_pending(c, 1, 0, bytes(model), crc32c(model), chunk_size=CS, full_replace=True)
-        e.commit(c, 1)
+        model = _committed_random_chunk(e, c)
         e.flush()
         pinned, loc = bytes(model), e.pin_location(c, None, 0, CS)
         _random_4k_writes(e, c, model, rng, range(2, 40), blocks=list(range(38)))
