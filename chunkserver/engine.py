@@ -58,8 +58,8 @@ reads a written byte once.
 Crash safety (write-through)
 ----------------------------
 A version's data is written into a slot no row names (or, a fold, into blocks of a base that no row reads) and
-fdatasync'ed *before* the row that names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit`` is one transaction
-that deletes the old committed row and turns the pending row into the committed one. A slot is
+fdatasync'ed *before* the row that names it is committed to SQLite (one atomic, fsync'ed transaction). ``commit``
+is one transaction that deletes the old committed row and turns the pending row into the committed one. A slot is
 reused only after the transaction that dropped its row is durable. Hence after kill -9 (or, with
 fsync=True, power loss) each chunk is at its old or new committed version, and every row points
 at complete, checksummed data. Pending versions survive a restart and are reported by
@@ -997,7 +997,8 @@ class ChunkEngine:
             return (fresh, None) if not last_try else (None, set())
         fold = {b for b in shadowed if b < nblocks}
         fresh = [b for b in fresh if b not in fold]
-        kept = sum(1 for b in old.overrides if b < nblocks and b not in fold) - sum(1 for b in fresh if b in old.overrides)
+        kept = sum(1 for b in old.overrides if b < nblocks and b not in fold)
+        kept -= sum(1 for b in fresh if b in old.overrides)  # rewritten in block slots of their own: counted once
         return (fresh, fold) if kept + len(fresh) < limit else (None, set())
 
     def _foldable(self, cid: ChunkId, entry: _Entry, old: _Version) -> set[int]:
