@@ -77,6 +77,8 @@ def child(root: Path, mode: str) -> None:
     batched = mode.endswith("+batch")  # a round's whole and partial writes as one write_pending_many/commit_many
     mode = mode.removesuffix("+batch")
     write_back = mode != "write-through"
+    sys.stdout.write("open\n")  # the parent's kill window starts here, not at the spawn: imports take a while
+    sys.stdout.flush()
     # room for a few whole versions (up to 16 blocks each): some wait for a sync, some are written to make room
     e = ChunkEngine(root, write_through=not write_back, hold_bytes=40 * BLOCK if mode == "held" else 0)
     out = threading.Lock()
@@ -172,20 +174,30 @@ def test_sigkill_at_random_instants(tmp_path: Path, mode: str) -> None:
     every chunk still comes back at its old or its new version."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     model, reported, synced, covered, commits = Model(), {}, {}, {}, 0
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 20
     for _ in range(20):
         if time.monotonic() > deadline:
             break
         argv = [sys.executable, __file__, str(tmp_path), mode]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
         lines: list[bytes] = []
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
+        started = threading.Event()
+
+        def read(proc: subprocess.Popen = proc, lines: list[bytes] = lines, started: threading.Event = started) -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                started.set()
+
+        reader = threading.Thread(target=read)
         reader.start()
+        started.wait(60)  # the child is past its imports (on a loaded machine, past the window below)
         time.sleep(rng.uniform(0.1, 0.8))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         reader.join()
         for line in lines:
+            if line == b"open\n":
+                continue
             if line == b"presync\n":
                 covered = dict(reported)
             elif line == b"sync\n":
@@ -212,7 +224,8 @@ def test_reopen_tells_an_unclean_stop_from_a_clean_one(tmp_path: Path, mode: str
     with ChunkEngine(tmp_path, write_through=write_through) as e:
         assert not e.unclean_stop  # a new target lost nothing
     proc = subprocess.Popen([sys.executable, __file__, str(tmp_path), mode], stdout=subprocess.PIPE)
-    assert proc.stdout.readline()  # it has written a version
+    assert proc.stdout.readline() == b"open\n"
+    assert proc.stdout.readline()  # its engine is open: it has synced or written a version
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     e = ChunkEngine(tmp_path, write_through=write_through)
