@@ -364,24 +364,15 @@ def _changed_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: in
     return [b for b in sorted(candidates) if _block_kind(runs, old.length, new_len, b)[0] != _OLD]
 
 
-def _override_limit(new_len: int) -> int:
-    """A version names fewer block slots than this: a quarter of its blocks, at most ``MAX_OVERRIDES``."""
-    return min(MAX_OVERRIDES, _nblocks(new_len) // 4)
-
-
-def _fresh_blocks(old: _Version, runs: list[tuple[int, int, int]], new_len: int) -> list[int] | None:
-    """The blocks a partial write writes into block slots of their own when the new version shares every other
-    block with ``old`` (block-level copy-on-write); None where it cannot share ``old``'s base
-    (:func:`_changed_blocks`) or its overrides would reach :func:`_override_limit`: then the write folds overrides
-    into the base (:meth:`ChunkEngine._foldable`) or writes a fresh base. So a write of a quarter of a chunk or
-    more (a sequential writer's 1 MiB into a 4 MiB chunk) makes a fresh base, which reads and loans take in one
-    piece."""
-    fresh = _changed_blocks(old, runs, new_len)
-    if fresh is None:
-        return None
+def _within_limit(old: _Version, fresh: list[int], fold: set[int], new_len: int) -> bool:
+    """Whether the new version names fewer block slots than a quarter of its blocks (at most ``MAX_OVERRIDES``):
+    ``old``'s overrides that it keeps (not folded into the base, not past its end) and the ``fresh`` blocks it
+    writes into block slots of their own. So a write of a quarter of a chunk or more (a sequential writer's 1 MiB
+    into a 4 MiB chunk) makes a fresh base, which reads and loans take in one piece."""
     nblocks = _nblocks(new_len)
-    shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
-    return fresh if shared + len(fresh) < _override_limit(new_len) else None
+    kept = sum(1 for b in old.overrides if b < nblocks and b not in fold)
+    added = sum(1 for b in fresh if b not in old.overrides)  # one already there gets a new slot: counted once
+    return kept + added < min(MAX_OVERRIDES, nblocks // 4)
 
 
 def _check_extents(chunk_id: ChunkId, offset: int, data: memoryview, extents: Sequence[Sequence[int]],
@@ -984,22 +975,16 @@ class ChunkEngine:
         fresh = _changed_blocks(old, runs, new_len)
         if fresh is None:
             return None, set()
-        nblocks = _nblocks(new_len)
-        shared = sum(1 for b in old.overrides if b < nblocks) - sum(1 for b in fresh if b in old.overrides)
-        limit = _override_limit(new_len)
-        if shared + len(fresh) < limit:
+        if _within_limit(old, fresh, set(), new_len):
             return fresh, set()
-        base = (old.cls, old.slot)
         shadowed = self._foldable(cid, entry, old)
         if not shadowed:
             return None, set()
-        if base in self._undurably_dropped:
+        if (old.cls, old.slot) in self._undurably_dropped:
             return (fresh, None) if not last_try else (None, set())
-        fold = {b for b in shadowed if b < nblocks}
+        fold = {b for b in shadowed if b < _nblocks(new_len)}
         fresh = [b for b in fresh if b not in fold]
-        kept = sum(1 for b in old.overrides if b < nblocks and b not in fold)
-        kept -= sum(1 for b in fresh if b in old.overrides)  # rewritten in block slots of their own: counted once
-        return (fresh, fold) if kept + len(fresh) < limit else (None, set())
+        return (fresh, fold) if _within_limit(old, fresh, fold, new_len) else (None, set())
 
     def _foldable(self, cid: ChunkId, entry: _Entry, old: _Version) -> set[int]:
         """(Caller holds the lock.) The blocks of ``old``'s base that no row naming it reads, each such row having a

@@ -181,10 +181,10 @@ def test_random_small_writes_keep_a_chunk_within_a_quarter_of_its_size_and_remov
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_fresh_blocks_are_the_blocks_that_are_not_shared(data) -> None:
-    """_fresh_blocks looks only at the blocks the runs touch and those at the versions' ends: the same answer as
+def test_changed_blocks_are_the_blocks_that_are_not_shared(data) -> None:
+    """_changed_blocks looks only at the blocks the runs touch and those at the versions' ends: the same answer as
     asking about every block."""
-    from kvfs.chunkserver.engine import _OLD, _block_kind, _fresh_blocks, _nblocks, _Version
+    from kvfs.chunkserver.engine import _OLD, _block_kind, _changed_blocks, _nblocks, _Version
     from kvfs.chunkserver.slots import class_for
 
     old_len = data.draw(st.integers(1, 4 * BLOCK + 100))
@@ -197,7 +197,7 @@ def test_fresh_blocks_are_the_blocks_that_are_not_shared(data) -> None:
     new_len = max(old_len, max(s + n for s, _, n in runs))
     old = _Version(1, old_len, 0, [0] * _nblocks(old_len), class_for(old_len), 0, None, b"")
     everything = [b for b in range(_nblocks(new_len)) if _block_kind(runs, old_len, new_len, b)[0] != _OLD]
-    fresh = _fresh_blocks(old, runs, new_len)
+    fresh = _changed_blocks(old, runs, new_len)
     if fresh is not None:
         assert fresh == everything
 

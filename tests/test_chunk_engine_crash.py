@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 from crc32c import crc32c
@@ -137,6 +138,13 @@ def child(root: Path, mode: str) -> None:
                 say(f"{k} {w.version}")
 
 
+def _read_lines(stream: IO[bytes], lines: list[bytes], started: threading.Event) -> None:
+    """Collect the child's lines; ``started`` once the first has come."""
+    for line in stream:
+        lines.append(line)
+        started.set()
+
+
 class Model:
     def __init__(self) -> None:
         self.versions = {k: [b""] for k in range(len(CHUNKS))}
@@ -182,13 +190,7 @@ def test_sigkill_at_random_instants(tmp_path: Path, mode: str) -> None:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE)
         lines: list[bytes] = []
         started = threading.Event()
-
-        def read(proc: subprocess.Popen = proc, lines: list[bytes] = lines, started: threading.Event = started) -> None:
-            for line in proc.stdout:
-                lines.append(line)
-                started.set()
-
-        reader = threading.Thread(target=read)
+        reader = threading.Thread(target=_read_lines, args=(proc.stdout, lines, started))
         reader.start()
         started.wait(60)  # the child is past its imports (on a loaded machine, past the window below)
         time.sleep(rng.uniform(0.1, 0.8))
