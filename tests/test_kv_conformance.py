@@ -357,6 +357,33 @@ def test_sqlite_processes_increment_exactly(tmp_path):
     assert decode_int(db.run(lambda tr: tr.get(k("c")))) == 300
 
 
+def _write_megabytes(db: SqliteDatabase, mib: int) -> None:
+    for n in range(2 * mib):
+        tr = db.create_transaction()
+        for i in range(64):
+            tr.set(k("big", n, i), os.urandom(8192))
+        tr.commit()
+
+
+def test_sqlite_commits_leave_checkpoints_to_a_thread_of_their_own(tmp_path):
+    """A checkpoint fsyncs; meta commits on its event loop, so no commit may run one (SQLite's autocheckpoint
+    would, at 1,000 WAL pages): the database's own thread copies the WAL into the file, and stops with close."""
+    threads = set(threading.enumerate())
+    never = SqliteDatabase(str(tmp_path / "never.db"), checkpoint_interval_s=3600)
+    _write_megabytes(never, 8)  # ~2,000 pages: twice SQLite's autocheckpoint threshold
+    assert os.path.getsize(tmp_path / "never.db") < 1 << 20
+    assert os.path.getsize(tmp_path / "never.db-wal") > 8 << 20
+    soon = SqliteDatabase(str(tmp_path / "soon.db"), checkpoint_interval_s=0.05)
+    _write_megabytes(soon, 8)
+    deadline = time.monotonic() + 30
+    while os.path.getsize(tmp_path / "soon.db") < 8 << 20:
+        assert time.monotonic() < deadline, "the checkpoint thread copied nothing into the database file"
+        time.sleep(0.05)
+    never.close()
+    soon.close()
+    assert set(threading.enumerate()) == threads
+
+
 def test_open_database(tmp_path):
     db = open_database(f"sqlite://{tmp_path}/x.db")
     assert isinstance(db, SqliteDatabase) and db.path == f"{tmp_path}/x.db"

@@ -15,6 +15,10 @@ How a transaction maps onto SQLite:
 * Atomic add/max read the stored value under the write lock at commit, so they never conflict.
 * Stamped keys (:meth:`Transaction.set_stamped`) take the next value of a counter kept under
   ``_STAMP_KEY`` while the write lock is held, so stamps grow in commit order like versionstamps.
+* Checkpoints run in a thread of their own, not in whichever commit crosses SQLite's autocheckpoint
+  threshold: a checkpoint fsyncs the WAL and the database file, and while the disk writes out other data
+  (a chunk server on the same disk) that takes hundreds of milliseconds, which meta's event loop, running
+  commits inline, would spend stopped.
 
 Conflicts are detected at database granularity: any commit by anyone invalidates every open
 snapshot.  That gives false conflicts (retried, harmless) but never misses a real one.
@@ -22,6 +26,7 @@ snapshot.  That gives false conflicts (retried, harmless) but never misses a rea
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -38,6 +43,11 @@ _STAMP_KEY = b"\xff/kvfs/stamp"  # outside every tuple-packed key space, like Fo
 #: Keys per ``IN (...)`` of a batched read: under SQLite's smallest bound-parameter limit (999 before 3.32).
 _MAX_PARAMS = 500
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
+#: How often the checkpoint thread copies the WAL into the database file. A checkpoint with nothing new to copy
+#: only reads the WAL index, so idle databases cost nearly nothing.
+CHECKPOINT_INTERVAL_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class SqliteDatabase(Database):
@@ -53,6 +63,7 @@ class SqliteDatabase(Database):
         max_age_s: float = DEFAULT_MAX_AGE_S,
         busy_timeout_s: float = 10.0,
         synchronous: str = "NORMAL",
+        checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
     ) -> None:
         """``synchronous=NORMAL`` in WAL mode never corrupts the file; a power loss may drop the
         last commits.  Pass ``"FULL"`` to fsync every commit."""
@@ -66,6 +77,12 @@ class SqliteDatabase(Database):
         conn = self._connect()
         conn.execute(_SCHEMA)
         self._release(conn)
+        self._closed = threading.Event()
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, args=(self._connect(), checkpoint_interval_s), name="kvfs-sqlite-checkpoint",
+            daemon=True,
+        )
+        self._checkpointer.start()
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -74,7 +91,19 @@ class SqliteDatabase(Database):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")  # reads without a read(2) per page (~20% per change)
+        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread's job, off the committers' path
         return conn
+
+    def _checkpoint_loop(self, conn: sqlite3.Connection, interval_s: float) -> None:
+        """PASSIVE checkpoints: they wait for no reader or writer, and copy what no reader still needs."""
+        try:
+            while not self._closed.wait(interval_s):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again later
+                    log.warning("sqlite checkpoint of %s failed: %s", self.path, exc)
+        finally:
+            conn.close()
 
     def _acquire(self) -> sqlite3.Connection:
         with self._lock:
@@ -92,6 +121,8 @@ class SqliteDatabase(Database):
         return SqliteTransaction(self)
 
     def close(self) -> None:
+        self._closed.set()
+        self._checkpointer.join()
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
