@@ -43,9 +43,12 @@ _STAMP_KEY = b"\xff/kvfs/stamp"  # outside every tuple-packed key space, like Fo
 #: Keys per ``IN (...)`` of a batched read: under SQLite's smallest bound-parameter limit (999 before 3.32).
 _MAX_PARAMS = 500
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
-#: How often the checkpoint thread copies the WAL into the database file. A checkpoint with nothing new to copy
-#: only reads the WAL index, so idle databases cost nearly nothing.
+#: How often the checkpoint thread looks whether the WAL has grown by CHECKPOINT_PAGES since its last checkpoint.
 CHECKPOINT_INTERVAL_S = 0.5
+#: SQLite's own autocheckpoint threshold, kept: each checkpoint costs two fsyncs, which a disk shared with chunk
+#: servers pays for in their flushes.
+CHECKPOINT_PAGES = 1000
+_PAGE = 4096
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class SqliteDatabase(Database):
         conn.execute(_SCHEMA)
         self._release(conn)
         self._closed = threading.Event()
+        self._wal_pages = 0  # estimated WAL pages since the last checkpoint: a page a commit, one per 4 KiB written
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, args=(self._connect(), checkpoint_interval_s), name="kvfs-sqlite-checkpoint",
             daemon=True,
@@ -98,6 +102,10 @@ class SqliteDatabase(Database):
         """PASSIVE checkpoints: they wait for no reader or writer, and copy what no reader still needs."""
         try:
             while not self._closed.wait(interval_s):
+                with self._lock:
+                    if self._wal_pages < CHECKPOINT_PAGES:
+                        continue
+                    self._wal_pages = 0
                 try:
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again later
@@ -116,6 +124,10 @@ class SqliteDatabase(Database):
             conn.execute("ROLLBACK")
         with self._lock:
             self._idle.append(conn)
+
+    def _committed(self, size: int) -> None:
+        with self._lock:
+            self._wal_pages += 1 + size // _PAGE
 
     def create_transaction(self) -> "SqliteTransaction":
         return SqliteTransaction(self)
@@ -248,6 +260,7 @@ class SqliteTransaction(Transaction):
                 conn = self._begin_write()
                 self._apply(conn)
                 conn.execute("COMMIT")
+                self._db._committed(self._buf.size)
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", None) in (SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT):
                 raise TransactionConflict(f"sqlite: {exc}") from exc
