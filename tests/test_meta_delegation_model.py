@@ -200,8 +200,10 @@ class Delegations(RuleBasedStateMachine):
             return
         assert name in self.model
         del self.model[name]
-        if self.grant is not None:  # removed without a recall (rule 5): never a file the holder made under its grant
-            assert name not in self.own and self.grant.entries is None, "a removal raced the holder's"
+        if self.grant is not None:
+            if self._since_renewed() < LEASE:  # removed without a recall (rule 5): not what the holder made under
+                # its grant, and not under a grant for removals; past the lease, the grant was meta's to break
+                assert name not in self.own and self.grant.entries is None, "a removal raced the holder's"
             self._recall()  # the holder hears of it in the feed, and gives the directory back (fuse/dirops.py)
 
     @rule()
