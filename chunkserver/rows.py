@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvfs.crc import BLOCK
 from kvfs.errors import KvfsError
+from kvfs.kv.sqlite import WalCheckpointer
 
 #: 2: rows carry ``overrides``. A format-1 target gains the column (empty: every version is its base) at open;
 #: an older engine refuses a format-2 target rather than read bases without their overrides.
@@ -112,8 +113,12 @@ class RowStore:
             fmt["format"] = 2
         if (fmt.get("format"), fmt.get("block")) != (_FORMAT, BLOCK):
             raise KvfsError(f"target {root} has unsupported format {fmt}", errno.EINVAL)
+        # checkpoints fsync; run in a commit they would hold the engine's row lock, and every writer, meanwhile
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpoints = WalCheckpointer(root / DB_NAME, synchronous=self._synchronous)
 
     def close(self) -> None:
+        self._checkpoints.close()
         self._db.close()
 
     def versions(self) -> Iterator[tuple]:
@@ -156,5 +161,6 @@ class RowStore:
             if "full" in str(e):
                 raise KvfsError(f"metadata of target {self.root}: {e}", errno.ENOSPC) from e
             raise KvfsError(f"metadata of target {self.root}: {e}", errno.EIO) from e
+        self._checkpoints.committed(len(statements))  # about a page a statement
         self.dirty = lazy
         return not lazy

@@ -196,6 +196,24 @@ def test_removed_tail_stays_removed_after_reopen(tmp_path: Path) -> None:
         assert [m.chunk_id.index for m in e.list_chunks(4)] == [0] and e.space()[1] == used
 
 
+def test_the_row_store_checkpoints_from_a_thread_of_its_own(tmp_path: Path) -> None:
+    """Its commits run under the engine's row lock, so none may checkpoint (SQLite's autocheckpoint would: an
+    fsync of the WAL and of the file, with every writer waiting): the store's own thread copies the WAL into
+    chunks.sqlite while it runs, and stops with close."""
+    threads = set(threading.enumerate())
+    store = rows_mod.RowStore(tmp_path, fsync=True)
+    db = tmp_path / rows_mod.DB_NAME
+    before = db.stat().st_size
+    for i in range(1200):  # ~5 MiB of rows, over the thread's 1,000-page threshold
+        store.execute(rows_mod.put_pending((7, i), 1, 0, 0, os.urandom(4096), 0, i, b"", b""), durable=False)
+    deadline = time.monotonic() + 30
+    while db.stat().st_size < before + (2 << 20):
+        assert time.monotonic() < deadline, "nothing was checkpointed into chunks.sqlite"
+        time.sleep(0.05)
+    store.close()
+    assert set(threading.enumerate()) == threads
+
+
 def test_lazy_commit_keeps_the_replaced_slot_until_a_durable_transaction(tmp_path: Path) -> None:
     """A commit without an fsync may be undone by a power loss, and then its chunk's old committed row names the
     old slot again: that slot is not written until a durable transaction has made the commit durable too."""

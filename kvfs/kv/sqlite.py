@@ -15,18 +15,13 @@ How a transaction maps onto SQLite:
 * Atomic add/max read the stored value under the write lock at commit, so they never conflict.
 * Stamped keys (:meth:`Transaction.set_stamped`) take the next value of a counter kept under
   ``_STAMP_KEY`` while the write lock is held, so stamps grow in commit order like versionstamps.
-* Checkpoints run in a thread of their own, not in whichever commit crosses SQLite's autocheckpoint
-  threshold: a checkpoint fsyncs the WAL and the database file, and while the disk writes out other data
-  (a chunk server on the same disk) that takes hundreds of milliseconds, which meta's event loop, running
-  commits inline, would spend stopped.
-
-Conflicts are detected at database granularity: any commit by anyone invalidates every open
-snapshot.  That gives false conflicts (retried, harmless) but never misses a real one.
+* Checkpoints run in a thread of their own (:class:`WalCheckpointer`), not in the commits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -43,7 +38,7 @@ _STAMP_KEY = b"\xff/kvfs/stamp"  # outside every tuple-packed key space, like Fo
 #: Keys per ``IN (...)`` of a batched read: under SQLite's smallest bound-parameter limit (999 before 3.32).
 _MAX_PARAMS = 500
 _SCHEMA = "CREATE TABLE IF NOT EXISTS kv (k BLOB PRIMARY KEY, v BLOB NOT NULL) WITHOUT ROWID"
-#: How often the checkpoint thread looks whether the WAL has grown by CHECKPOINT_PAGES since its last checkpoint.
+#: How often a checkpoint thread looks whether the WAL has grown by CHECKPOINT_PAGES since its last checkpoint.
 CHECKPOINT_INTERVAL_S = 0.5
 #: SQLite's own autocheckpoint threshold, kept: each checkpoint costs two fsyncs, which a disk shared with chunk
 #: servers pays for in their flushes.
@@ -51,6 +46,53 @@ CHECKPOINT_PAGES = 1000
 _PAGE = 4096
 
 log = logging.getLogger(__name__)
+
+
+class WalCheckpointer:
+    """PASSIVE checkpoints of one SQLite database in WAL mode, from a thread and a connection of their own.
+
+    SQLite's autocheckpoint runs in whichever commit crosses 1,000 WAL pages, and a checkpoint fsyncs the WAL and
+    the database file: on a disk that other processes write to (chunk servers), that can take hundreds of
+    milliseconds, while meta's event loop, or every writer waiting for a chunk server's row lock, stands still. A
+    PASSIVE checkpoint waits for no reader or writer. The owner opens every other connection
+    with ``PRAGMA wal_autocheckpoint=0`` and reports each commit to :meth:`committed`; ``synchronous`` is how the
+    checkpoint syncs (OFF: not at all, like the owner's commits)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, synchronous: str,
+                 interval_s: float = CHECKPOINT_INTERVAL_S) -> None:
+        self.path = path
+        conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._pages = 0  # estimated WAL pages since the last checkpoint
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(conn, interval_s), name="kvfs-sqlite-checkpoint",
+                                        daemon=True)
+        self._thread.start()
+
+    def committed(self, pages: int) -> None:
+        """A commit wrote about ``pages`` WAL pages (at least one)."""
+        with self._lock:
+            self._pages += pages
+
+    def _loop(self, conn: sqlite3.Connection, interval_s: float) -> None:
+        try:
+            while not self._closed.wait(interval_s):
+                with self._lock:
+                    if self._pages < CHECKPOINT_PAGES:
+                        continue
+                    self._pages = 0
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again later
+                    log.warning("sqlite checkpoint of %s failed: %s", self.path, exc)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        """Stop the thread (before the owner closes its connections: the last one checkpoints what is left)."""
+        self._closed.set()
+        self._thread.join()
 
 
 class SqliteDatabase(Database):
@@ -80,13 +122,7 @@ class SqliteDatabase(Database):
         conn = self._connect()
         conn.execute(_SCHEMA)
         self._release(conn)
-        self._closed = threading.Event()
-        self._wal_pages = 0  # estimated WAL pages since the last checkpoint: a page a commit, one per 4 KiB written
-        self._checkpointer = threading.Thread(
-            target=self._checkpoint_loop, args=(self._connect(), checkpoint_interval_s), name="kvfs-sqlite-checkpoint",
-            daemon=True,
-        )
-        self._checkpointer.start()
+        self._checkpoints = WalCheckpointer(path, synchronous=synchronous, interval_s=checkpoint_interval_s)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -95,23 +131,8 @@ class SqliteDatabase(Database):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")  # reads without a read(2) per page (~20% per change)
-        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpoint thread's job, off the committers' path
+        conn.execute("PRAGMA wal_autocheckpoint=0")  # WalCheckpointer's job
         return conn
-
-    def _checkpoint_loop(self, conn: sqlite3.Connection, interval_s: float) -> None:
-        """PASSIVE checkpoints: they wait for no reader or writer, and copy what no reader still needs."""
-        try:
-            while not self._closed.wait(interval_s):
-                with self._lock:
-                    if self._wal_pages < CHECKPOINT_PAGES:
-                        continue
-                    self._wal_pages = 0
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again later
-                    log.warning("sqlite checkpoint of %s failed: %s", self.path, exc)
-        finally:
-            conn.close()
 
     def _acquire(self) -> sqlite3.Connection:
         with self._lock:
@@ -125,16 +146,11 @@ class SqliteDatabase(Database):
         with self._lock:
             self._idle.append(conn)
 
-    def _committed(self, size: int) -> None:
-        with self._lock:
-            self._wal_pages += 1 + size // _PAGE
-
     def create_transaction(self) -> "SqliteTransaction":
         return SqliteTransaction(self)
 
     def close(self) -> None:
-        self._closed.set()
-        self._checkpointer.join()
+        self._checkpoints.close()
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
@@ -260,7 +276,7 @@ class SqliteTransaction(Transaction):
                 conn = self._begin_write()
                 self._apply(conn)
                 conn.execute("COMMIT")
-                self._db._committed(self._buf.size)
+                self._db._checkpoints.committed(1 + self._buf.size // _PAGE)
         except sqlite3.OperationalError as exc:
             if getattr(exc, "sqlite_errorcode", None) in (SQLITE_BUSY, SQLITE_BUSY_SNAPSHOT):
                 raise TransactionConflict(f"sqlite: {exc}") from exc
