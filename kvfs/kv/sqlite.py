@@ -16,6 +16,9 @@ How a transaction maps onto SQLite:
 * Stamped keys (:meth:`Transaction.set_stamped`) take the next value of a counter kept under
   ``_STAMP_KEY`` while the write lock is held, so stamps grow in commit order like versionstamps.
 * Checkpoints run in a thread of their own (:class:`WalCheckpointer`), not in the commits.
+
+Conflicts are detected at database granularity: any commit by anyone invalidates every open
+snapshot.  That gives false conflicts (retried, harmless) but never misses a real one.
 """
 
 from __future__ import annotations
