@@ -84,11 +84,16 @@ class WalCheckpointer:
                 with self._lock:
                     if self._pages < CHECKPOINT_PAGES:
                         continue
-                    self._pages = 0
+                    pages, self._pages = self._pages, 0
                 try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again later
+                    _, wal_pages, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                except sqlite3.Error as exc:  # e.g. a full disk: commits go on into the WAL; try again next time
                     log.warning("sqlite checkpoint of %s failed: %s", self.path, exc)
+                    left = pages
+                else:  # a reader's snapshot keeps the frames after it in the WAL: the next look copies them
+                    left = max(0, wal_pages - copied)
+                with self._lock:
+                    self._pages += left
         finally:
             conn.close()
 
