@@ -5,7 +5,8 @@ Everything lives under one data directory:
 * ``cluster.toml`` — the config every process reads (token, addresses, KV store URL), private to the owner;
 * ``client.toml`` — what a client needs (addresses and token) for kvclient and other tools;
 * ``local.json`` — this tool's own record: ports, chunk server count, replicas, mount point;
-* ``logs/<name>.log`` and ``run/<name>.pid`` — one per process; ``targets/cs<N>`` — chunk data;
+* ``logs/<name>.log``, ``run/<name>.pid`` and ``run/<name>.started`` (when it was started, in ns) — one per
+  process; ``targets/cs<N>`` — chunk data;
 * ``kv.db`` — the KV store (SQLite) of mgmtd and meta, unless ``--kv-dir`` put it on another file system: chunk
   servers leave a reserve of the disk free (``[chunkserver] reserve_bytes``) so that chunk data filling it does
   not take the KV store with it, and a separate disk makes that certain.
@@ -182,6 +183,16 @@ class LocalCluster:
     def _pidfile(self, name: str) -> Path:
         return self.data / "run" / f"{name}.pid"
 
+    def _startfile(self, name: str) -> Path:
+        return self.data / "run" / f"{name}.started"
+
+    def _started_ns(self, name: str) -> int:
+        """When the running process ``name`` was started (``time.time_ns()`` just before), or 0 if not recorded."""
+        try:
+            return int(self._startfile(name).read_text())
+        except (OSError, ValueError):
+            return 0
+
     def pid_of(self, name: str) -> int | None:
         """The pid of a running process we started, or None (a stale pid file or a reused pid is not ours)."""
         try:
@@ -192,10 +203,12 @@ class LocalCluster:
         return pid if b"kvfs" in cmdline and str(self.config_path).encode() in cmdline else None
 
     def _start(self, proc: Process) -> subprocess.Popen[bytes]:
+        started = time.time_ns()
         with open(self.data / "logs" / f"{proc.name}.log", "ab") as log:
             child = subprocess.Popen(proc.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=self.data)
         self._pidfile(proc.name).write_text(str(child.pid))
+        self._startfile(proc.name).write_text(str(started))
         return child
 
     def _wait(self, proc: Process, ready: Any, child: subprocess.Popen[bytes] | None, timeout: float = 30.0) -> None:
@@ -246,20 +259,21 @@ class LocalCluster:
                     port = proc.address.rsplit(":", 1)[1]
                     raise KvfsError(f"{proc.name} cannot start: {proc.address} is in use by a process this cluster"
                                     f" did not start (ss -ltnp 'sport = :{port}' names it)", errno.EADDRINUSE)
-                if proc.role == "chunkserver":
-                    started[proc.node_id] = time.time_ns()
                 child = self._start(proc)
                 echo(f"started {proc.name} (pid {child.pid}) on {proc.address}")
+            if proc.role == "chunkserver":
+                started[proc.node_id] = self._started_ns(proc.name)
             self._wait(proc, lambda: _listening(proc.address), child)
         return layout
 
     def _ensure_chains(self, config: ClusterConfig, layout: LocalLayout, echo: Any, started: dict[int, int]) -> None:
         """Create the chain table on first start, then wait until every target serves.
 
-        ``started`` names the chunk servers this call started: their targets count only once mgmtd has heard
-        from the new process. A restarted mgmtd reports the targets it persisted as serving until a node's
-        first heartbeat shows a new incarnation and takes them through a resync, so a table read before that
-        would say ready too soon."""
+        ``started``: when each chunk server's running process was started (before the incarnation it reports,
+        after any earlier one's): its targets count only once mgmtd has heard from that process. A restarted
+        mgmtd reports the targets it persisted as serving until a node's first heartbeat shows a new incarnation
+        and takes them through a resync, so a table read before that would say ready too soon. That includes
+        chunk servers that an earlier ``up`` started before it failed (a port taken)."""
         from kvfs.craq.messages import TargetState
         from kvfs.craq.client import CREATE_CHAINS, STATUS, CreateChains, MgmtdClient
         from kvfs.rpc import RpcClient
@@ -326,6 +340,7 @@ class LocalCluster:
             echo(f"killed {name} (pid {pid}): it ignored SIGTERM for {grace:g}s")
         for proc in procs:
             self._pidfile(proc.name).unlink(missing_ok=True)
+            self._startfile(proc.name).unlink(missing_ok=True)
 
     # ----------------------------------------------------------------------------------- status
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 
 import pytest
 
@@ -43,9 +44,13 @@ def test_up_says_which_address_another_process_took_instead_of_waiting(tmp_path)
         cluster.down(echo=quiet["echo"])
         host, port = layout.meta.rsplit(":", 1)
         with socket.create_server((host, int(port))):
+            failed_at = time.time_ns()
             with pytest.raises(KvfsError) as info:
                 cluster.up(tmp_path / "mnt", **quiet)
             assert info.value.errno == errno.EADDRINUSE and layout.meta in info.value.message
+        # the chunk servers the failed up started count as new: the next up waits until mgmtd has heard from them
+        # (it once returned while mgmtd still showed the targets it had persisted as serving)
+        assert all(cluster._started_ns(f"cs{n}") > failed_at for n in range(1, len(layout.chunkservers) + 1))
         cluster.up(tmp_path / "mnt", **quiet)
         assert all(t["state"] == "serving" for t in cluster.status()["targets"])
     finally:
