@@ -1,6 +1,6 @@
 """KV-cache replay: the Mooncake trace against kvclient, Redis, Mooncake Store and a loopback socket pump, in one run.
 
-    .venv/bin/python benchmarks/kv_replay.py [--requests 600] [--block-kib 128]
+    .venv/bin/python benchmarks/kv_replay.py [--requests 600] [--block-kib 128] [--systems kvclient,redis,...]
     .venv/bin/python benchmarks/kv_replay.py --block-mib 1 [--blocks 256] [--batch 16]
 
 Replay (the default): every block id of ``../shared/traces/mooncake_synthetic_trace.jsonl`` (one request a line,
@@ -17,6 +17,10 @@ the same way. Each system starts empty and sees the same operations:
   whole working set in memory, one replica, the client over TCP with the P2PHANDSHAKE metadata mode; their
   listeners bind every interface, so this script runs that part again as a child inside ``unshare -n`` (a
   network namespace with only loopback; needs root), which reports its figures as JSON;
+* only when ``--systems`` names ``mooncake3``: Mooncake Store with three segment servers and every put on three of
+  them (``ReplicateConfig.replica_num = 3``), as kvclient keeps every block on three chunk servers: the same
+  replication on the same host (each segment server holds the whole working set, so it takes three times the
+  memory);
 * a plain loopback socket pump of one block per round trip: the ceiling for moving a block between processes.
 
 It prints the hit ratio, get and put GB/s (payload bytes over the time spent in the batch calls, checking
@@ -107,12 +111,13 @@ class RedisStore:
 
 
 class MooncakeStore:
-    name = "mooncake store (1 replica)"
-
-    def __init__(self, local_buffer: int) -> None:
-        from mooncake.store import MooncakeDistributedStore
+    def __init__(self, local_buffer: int, replicas: int = 1) -> None:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.store = MooncakeDistributedStore()
+        self.name = mooncake_name(replicas)
+        self.config = ReplicateConfig()
+        self.config.replica_num = replicas
         master = f"127.0.0.1:{MOONCAKE_PORT}"
         if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, local_buffer, "tcp", "", master):
             raise OSError("Mooncake Store client setup failed")
@@ -137,8 +142,12 @@ class MooncakeStore:
         return self.store.batch_get_into(list(keys), ptrs, [len(out) for out in outs])
 
     def batch_put(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        if self.store.put_batch(list(keys), list(values)):
+        if self.store.put_batch(list(keys), list(values), self.config):
             raise OSError("Mooncake Store put_batch failed")
+
+
+def mooncake_name(replicas: int) -> str:
+    return f"mooncake store ({replicas} replica{'s' if replicas > 1 else ''})"
 
 
 @dataclass
@@ -273,9 +282,10 @@ def redis_server(directory: Path) -> Iterator[int | str]:
         proc.wait(10)
 
 
-def mooncake_child(run: Callable[[Store], Figures], working_set: int, largest_batch: int) -> None:
-    """Inside the network namespace: the master, a segment server holding ``working_set`` bytes, and the
-    measured client in this process; the figures go to stdout as the last line."""
+def mooncake_child(run: Callable[[Store], Figures], working_set: int, largest_batch: int, replicas: int) -> None:
+    """Inside the network namespace: the master, ``replicas`` segment servers each holding ``working_set`` bytes,
+    and the measured client in this process, putting every object on ``replicas`` of them; the figures go to stdout
+    as the last line."""
     venv = Path(sys.executable).parent
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     segment = f"""
@@ -290,38 +300,45 @@ time.sleep(86400)
     quiet = dict(stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
     master = subprocess.Popen([str(venv / "mooncake_master"), "-rpc_port", str(MOONCAKE_PORT)],
                               stdout=subprocess.DEVNULL, **quiet)
-    server = None
+    servers: list[subprocess.Popen] = []
     try:
         time.sleep(1)
-        server = subprocess.Popen([sys.executable, "-c", segment], stdout=subprocess.PIPE, **quiet)
-        if server.stdout.readline().strip() != b"ready":  # type: ignore[union-attr]
-            raise SystemExit("the Mooncake segment server did not start")
-        fig = run(MooncakeStore(2 * largest_batch + (64 << 20)))
+        for _ in range(replicas):
+            servers.append(subprocess.Popen([sys.executable, "-c", segment], stdout=subprocess.PIPE, **quiet))
+            if servers[-1].stdout.readline().strip() != b"ready":  # type: ignore[union-attr]
+                raise SystemExit("a Mooncake segment server did not start")
+        store = MooncakeStore(2 * largest_batch + (64 << 20), replicas)
+        fig = run(store)
+        store.batch_put(["replica-probe"], [b"x" * 4096])
+        if len(store.store.get_replica_desc("replica-probe")) != replicas:
+            raise SystemExit(f"Mooncake Store kept {len(store.store.get_replica_desc('replica-probe'))} copies of an"
+                             f" object put with replica_num={replicas}")
         print(json.dumps(dataclasses.asdict(fig)))
     finally:
-        for proc in (server, master):
-            if proc is not None:
-                proc.kill()
-                proc.wait(10)
+        for proc in (*servers, master):
+            proc.kill()
+            proc.wait(10)
 
 
-def mooncake_figures(argv: list[str]) -> Figures | str:
-    """Mooncake Store's figures from a run of this script inside ``unshare -n``, or why there are none."""
+def mooncake_figures(argv: list[str], replicas: int) -> Figures | str:
+    """Mooncake Store's figures (``replicas`` segment servers and copies) from a run of this script inside
+    ``unshare -n``, or why there are none."""
     try:
         import mooncake.store  # noqa: F401
     except ImportError:
         return "Mooncake Store: skipped, PyPI mooncake-transfer-engine-non-cuda is not installed"
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         return "Mooncake Store: skipped, its run inside `unshare -n` needs root, unshare and ip (iproute2)"
-    child = subprocess.run(["unshare", "-n", sys.executable, __file__, *argv, "--mooncake-child"],
+    child = subprocess.run(["unshare", "-n", sys.executable, __file__, *argv, "--mooncake-child", str(replicas)],
                            capture_output=True, text=True, env={**os.environ, "GLOG_minloglevel": "2"})
     if child.returncode:
         return f"Mooncake Store: skipped, its run failed: {(child.stderr or child.stdout).strip()[-300:]}"
     return Figures(**json.loads(child.stdout.strip().splitlines()[-1]))
 
 
-#: What ``--systems`` may name.
-SYSTEMS = ("kvclient", "redis", "mooncake", "pump")
+#: What ``--systems`` may name, and what it names by default.
+SYSTEMS = ("kvclient", "redis", "mooncake", "mooncake3", "pump")
+DEFAULT_SYSTEMS = ("kvclient", "redis", "mooncake", "pump")
 
 
 def _free_port() -> int:
@@ -338,9 +355,9 @@ def main() -> None:
     parser.add_argument("--block-mib", type=int, default=0, help="block mode: batch get/put of N MiB blocks")
     parser.add_argument("--blocks", type=int, default=256, help="block mode: how many blocks")
     parser.add_argument("--batch", type=int, default=16, help="block mode: blocks per batch call")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all)")
-    parser.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
+    parser.add_argument("--mooncake-child", type=int, metavar="REPLICAS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     systems = set(args.systems.split(","))
     if systems - set(SYSTEMS):
@@ -362,7 +379,7 @@ def main() -> None:
         working_set = (len({h for r in requests for h in r}) + 1) * payloads.size
         largest = max(map(len, requests)) * payloads.size
     if args.mooncake_child:
-        mooncake_child(run, working_set + working_set // 4 + (64 << 20), largest)
+        mooncake_child(run, working_set + working_set // 4 + (64 << 20), largest, args.mooncake_child)
         return
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -390,12 +407,13 @@ def main() -> None:
                         notes.append(redis_port)
                     else:
                         rows.append((RedisStore.name, run(RedisStore(redis_port))))
-        if "mooncake" in systems:
-            mooncake = mooncake_figures(sys.argv[1:])
-            if isinstance(mooncake, str):
-                notes.append(mooncake)
-            else:
-                rows.append((MooncakeStore.name, mooncake))
+        for system, replicas in (("mooncake", 1), ("mooncake3", 3)):
+            if system in systems:
+                mooncake = mooncake_figures(sys.argv[1:], replicas)
+                if isinstance(mooncake, str):
+                    notes.append(mooncake)
+                else:
+                    rows.append((mooncake_name(replicas), mooncake))
     finally:
         if pump.is_alive():
             pump.terminate()
