@@ -24,7 +24,9 @@ the same way. Each system starts empty and sees the same operations:
 * a plain loopback socket pump of one block per round trip: the ceiling for moving a block between processes.
 
 It prints the hit ratio, get and put GB/s (payload bytes over the time spent in the batch calls, checking
-excluded) and p50/p99 latency per batch call. What is absent is skipped with the reason.
+excluded) and p50/p99 latency per batch call. What is absent is skipped with the reason. Where the host pages out
+cold page cache with no memory pressure (a DAMON ``pageout`` scheme, as on some VMs), it says so: kvclient's
+blocks may then come from the disk, the other stores' never.
 """
 
 from __future__ import annotations
@@ -341,6 +343,23 @@ SYSTEMS = ("kvclient", "redis", "mooncake", "mooncake3", "pump")
 DEFAULT_SYSTEMS = ("kvclient", "redis", "mooncake", "pump")
 
 
+def page_cache_reclaim() -> str | None:
+    """A note when the host pages out cold page-cache pages with no memory pressure (a DAMON ``pageout`` scheme
+    running, as on some VMs): kvclient's blocks then come from the disk now and then, where the other stores keep
+    theirs in anonymous memory, which such a scheme leaves alone (benchmarks/RESULTS.md, "Session 33")."""
+    for kdamond in sorted(Path("/sys/kernel/mm/damon/admin/kdamonds").glob("[0-9]*")):
+        try:
+            if (kdamond / "state").read_text().strip() != "on":
+                continue
+            actions = {a.read_text().strip() for a in kdamond.glob("contexts/*/schemes/*/action")}
+        except OSError:
+            continue
+        if "pageout" in actions:
+            return (f"host: DAMON pages out cold memory ({kdamond}, action pageout), page cache included, with no"
+                    " memory pressure: kvclient's blocks may be read from the disk")
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -423,7 +442,8 @@ def main() -> None:
         print(fig.row(name, ceiling))
     if "pump" in systems:
         print(f"{'socket pump (ceiling)':<27} {'-':>9} {ceiling:9.3f} {ceiling:9.3f}")
-    for note in notes:
+    reclaim = page_cache_reclaim()
+    for note in [*notes, *([reclaim] if reclaim and "kvclient" in systems else [])]:
         print(note)
 
 
