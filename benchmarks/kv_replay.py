@@ -312,9 +312,9 @@ time.sleep(86400)
         store = MooncakeStore(2 * largest_batch + (64 << 20), replicas)
         fig = run(store)
         store.batch_put(["replica-probe"], [b"x" * 4096])
-        if len(store.store.get_replica_desc("replica-probe")) != replicas:
-            raise SystemExit(f"Mooncake Store kept {len(store.store.get_replica_desc('replica-probe'))} copies of an"
-                             f" object put with replica_num={replicas}")
+        copies = len(store.store.get_replica_desc("replica-probe"))
+        if copies != replicas:
+            raise SystemExit(f"Mooncake Store kept {copies} copies of an object put with replica_num={replicas}")
         print(json.dumps(dataclasses.asdict(fig)))
     finally:
         for proc in (*servers, master):
